@@ -1,0 +1,39 @@
+# The two commands a newcomer needs: `make run` and `make test`. Both set everything up first
+# and are idempotent: a second run only redoes what changed.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+TINY_MODEL := .cache/models/tiny
+
+.PHONY: run test lint bench install clean
+
+install: $(INSTALLED)
+
+$(BIN)/uv:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check "uv>=0.13,<0.14"
+
+$(INSTALLED): pyproject.toml $(BIN)/uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e ".[test]"
+	touch $@
+
+$(TINY_MODEL)/config.json: $(INSTALLED)
+	$(BIN)/deepmesh make-model $(TINY_MODEL) --preset tiny --seed 0
+
+run: $(INSTALLED) $(TINY_MODEL)/config.json
+	$(BIN)/deepmesh generate --model $(TINY_MODEL) --prompt "DeepSeek-V4 on deepmesh:" --max-tokens 32
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest
+
+bench: $(INSTALLED)
+	$(BIN)/python benchmarks/engine_vs_transformers.py
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,142 @@
+"""Our engine against transformers' DeepseekV4ForCausalLM on the same checkpoint, in one process.
+
+Equal random prompts, greedy decoding, every generated token timestamped (transformers via
+a logits processor, ours via step outputs), so decode tokens/s excludes prefill and
+prefill tokens/s is prompt tokens over time to the first token. Prints ratios against
+transformers measured in this same run, and the engine's state size against the
+theoretical minimum for the config.
+
+    python benchmarks/engine_vs_transformers.py [--batches 1 8 32] [--prompt-len 256] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import DeepseekV4ForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from engine import LLMEngine, SamplingParams
+from engine.make_model import make_model
+from engine.state_cache import StateLayout
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Timestamps(LogitsProcessor):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_transformers(model, prompts: torch.Tensor, new_tokens: int) -> tuple[list[list[int]], float, list[float]]:
+    stamps = _Timestamps()
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=None
+    )
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([stamps]),
+        )
+    return out[:, prompts.shape[1] :].tolist(), start, stamps.times
+
+
+def run_engine(engine: LLMEngine, prompts: torch.Tensor, new_tokens: int) -> tuple[list[list[int]], float, list[float]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts.tolist()):
+        engine.add_request(f"bench-{i}", prompt, params)
+        tokens[f"bench-{i}"] = []
+    start, times = time.perf_counter(), []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+        # one timestamp per generated position, once every sequence has produced it
+        while len(times) < min(len(t) for t in tokens.values()):
+            times.append(time.perf_counter())
+    return list(tokens.values()), start, times
+
+
+def rates(batch: int, prompt_len: int, start: float, times: list[float]) -> tuple[float, float]:
+    prefill = batch * prompt_len / (times[0] - start)
+    decode = batch * (len(times) - 1) / (times[-1] - times[0])
+    return prefill, decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=ROOT / ".cache/models/small")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine_vs_transformers.json")
+    args = parser.parse_args()
+
+    if not (args.model / "config.json").is_file():
+        make_model(args.model, "small", seed=0)
+    torch.manual_seed(args.seed)
+    engine = LLMEngine.from_pretrained(args.model, max_num_seqs=max(args.batches), max_num_batched_tokens=2048)
+    reference = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    config = engine.config
+    print(f"checkpoint {args.model} ({sum(p.numel() for p in engine.model.parameters()) / 1e6:.0f}M parameters, fp32)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    warm = torch.randint(0, config.vocab_size, (2, 64))
+    run_transformers(reference, warm, 4)
+    run_engine(engine, warm, 4)
+
+    results = []
+    header = f"{'batch':>5} | {'engine':>11} | {'prefill tok/s':>13} | {'decode tok/s':>12} | {'identical':>9}"
+    print(f"\n{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n{header}\n{'-' * len(header)}")
+    for batch in args.batches:
+        prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len))
+        ours_tokens, start, times = run_engine(engine, prompts, args.new_tokens)
+        ours = rates(batch, args.prompt_len, start, times)
+        ref_tokens, start, times = run_transformers(reference, prompts, args.new_tokens)
+        ref = rates(batch, args.prompt_len, start, times)
+        same = ours_tokens == ref_tokens
+        for name, (prefill, decode) in (("transformers", ref), ("deepmesh", ours)):
+            print(f"{batch:>5} | {name:>11} | {prefill:>13.0f} | {decode:>12.1f} | {'yes' if same else 'NO':>9}")
+        print(f"{batch:>5} | {'ratio':>11} | {ours[0] / ref[0]:>12.2f}x | {ours[1] / ref[1]:>11.2f}x |")
+        results.append(
+            {
+                "batch": batch,
+                "transformers": {"prefill_tok_s": ref[0], "decode_tok_s": ref[1]},
+                "deepmesh": {"prefill_tok_s": ours[0], "decode_tok_s": ours[1]},
+                "decode_ratio": ours[1] / ref[1],
+                "prefill_ratio": ours[0] / ref[0],
+                "identical_greedy_output": same,
+            }
+        )
+
+    print("\nstate per sequence (bf16), allocated vs theoretical minimum")
+    state = []
+    for name, cfg in (("this checkpoint", config), ("DeepSeek-V4 defaults", type(config).from_dict({}))):
+        layout = StateLayout(cfg, torch.bfloat16)
+        for tokens in (4096, 65536):
+            allocated, minimum = layout.allocated_bytes(tokens), layout.minimum_bytes(tokens)
+            print(
+                f"  {name:>20}, {tokens:>6} tokens: {allocated / tokens:>9.1f} B/token allocated, "
+                f"{minimum / tokens:>9.1f} minimum ({allocated / minimum:.3f}x)"
+            )
+            state.append({"config": name, "tokens": tokens, "allocated": allocated, "minimum": minimum})
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"runs": results, "state": state}, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The `deepmesh` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from deepmesh import __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepmesh", description="DeepSeek-V4 serving stack")
+    parser.add_argument("--version", action="version", version=f"deepmesh {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    make = commands.add_parser("make-model", help="write a deterministic random-weight DeepSeek-V4 checkpoint")
+    make.add_argument("outdir", type=Path)
+    make.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(run=_make_model)
+
+    gen = commands.add_parser("generate", help="generate text from a prompt with the engine")
+    gen.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
+    gen.set_defaults(run=_generate)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as err:  # EngineError and friends: a clear message, not a traceback
+        print(f"deepmesh: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from engine.make_model import make_model
+
+    path = make_model(args.outdir, args.preset, args.seed)
+    print(path)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+
+    from engine import LLMEngine, SamplingParams
+
+    tokenizer_file = args.model / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(f"{args.model} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    engine = LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
+    bos = [engine.config.bos_token_id] if engine.config.bos_token_id is not None else []
+    prompt = bos + tokenizer.encode(args.prompt, add_special_tokens=False).ids
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    engine.add_request("cli", prompt, params)
+    tokens: list[int] = []
+    printed = ""
+    start = time.perf_counter()
+    with tqdm(total=args.max_tokens, unit="tok", file=sys.stderr, leave=False) as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+                bar.update(len(out.new_token_ids))
+                bar.set_postfix(tok_per_s=f"{len(tokens) / (time.perf_counter() - start):.1f}")
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                if text.startswith(printed):  # print only the new, stable part of the text
+                    sys.stdout.write(text[len(printed) :])
+                    sys.stdout.flush()
+                    printed = text
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    print(f"{len(prompt)} prompt tokens, {len(tokens)} generated, {len(tokens) / elapsed:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

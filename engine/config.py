@@ -1,0 +1,192 @@
+"""The DeepSeek-V4 model config, read from a Hugging Face `config.json`.
+
+Field names and defaults follow transformers' `DeepseekV4Config` so a checkpoint saved by
+transformers loads as is, including the legacy keys older checkpoints ship
+(`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import UnsupportedCheckpointError
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+_RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+# State is kept in blocks of this many tokens (see engine/state_cache.py).
+BLOCK_SIZE = 128
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    layer_types: list[str] = field(default_factory=list)
+    mlp_layer_types: list[str] = field(default_factory=list)
+    compress_rates: dict[str, int] = field(default_factory=dict)
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1.0e-6
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1.0e-6
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    tie_word_embeddings: bool = False
+    partial_rotary_factor: float = 64 / 512
+    rope_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    torch_dtype: str = "float32"
+
+    @property
+    def rope_head_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    def compress_rate(self, layer_idx: int) -> int:
+        """Tokens per compressed entry for a layer; 0 for sliding-only layers."""
+        layer_type = self.layer_types[layer_idx]
+        return 0 if layer_type == SLIDING else self.compress_rates[layer_type]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        raw = dict(raw)
+        model_type = raw.get("model_type", "deepseek_v4")
+        if model_type != "deepseek_v4":
+            raise UnsupportedCheckpointError(
+                f"model_type {model_type!r} is not supported: this engine runs DeepSeek-V4 "
+                "(transformers' `deepseek_v4`) checkpoints only"
+            )
+        quant = raw.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+            raise UnsupportedCheckpointError(
+                f"quantized checkpoints ({method}) are not supported yet: convert to bf16 or fp32 first"
+            )
+        known = set(cls.__dataclass_fields__)
+        cfg = cls(**{k: v for k, v in raw.items() if k in known and k not in ("rope_parameters",)})
+        if "dtype" in raw and "torch_dtype" not in raw:
+            cfg.torch_dtype = str(raw["dtype"])
+        n = cfg.num_hidden_layers
+
+        rates = {CSA: 4, HCA: 128, **(raw.get("compress_rates") or {})}
+        if raw.get("compress_rate_csa") is not None:
+            rates[CSA] = raw["compress_rate_csa"]
+        if raw.get("compress_rate_hca") is not None:
+            rates[HCA] = raw["compress_rate_hca"]
+        cfg.compress_rates = rates
+
+        if not raw.get("layer_types") and raw.get("compress_ratios") is not None:
+            cfg.layer_types = [_RATIO_TO_LAYER_TYPE[r] for r in raw["compress_ratios"]]
+        if not cfg.layer_types:
+            interleave = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+            cfg.layer_types = [HCA] * min(n, 2) + interleave
+        cfg.layer_types = list(cfg.layer_types[:n])
+        if not cfg.mlp_layer_types:
+            n_hash = raw.get("num_hash_layers", 3)
+            cfg.mlp_layer_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        cfg.mlp_layer_types = list(cfg.mlp_layer_types[:n])
+
+        if raw.get("partial_rotary_factor") is None:
+            legacy_rope_dim = raw.get("qk_rope_head_dim")
+            cfg.partial_rotary_factor = legacy_rope_dim / cfg.head_dim if legacy_rope_dim else 64 / 512
+        cfg.rope_parameters = _nest_rope_parameters(cfg, raw.get("rope_parameters") or raw.get("rope_scaling"))
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise UnsupportedCheckpointError(f"{path}: no config.json (is this a Hugging Face checkpoint?)")
+        return cls.from_dict(json.loads(config_file.read_text()))
+
+    def validate(self) -> None:
+        n = self.num_hidden_layers
+        for name, types, allowed in (
+            ("layer_types", self.layer_types, LAYER_TYPES),
+            ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES),
+        ):
+            if len(types) != n:
+                raise UnsupportedCheckpointError(f"len({name}) = {len(types)} but num_hidden_layers = {n}")
+            bad = sorted(set(types) - set(allowed))
+            if bad:
+                raise UnsupportedCheckpointError(f"{name} has unsupported entries {bad}")
+        for layer_type in (CSA, HCA):
+            rate = self.compress_rates[layer_type]
+            if layer_type in self.layer_types and (rate <= 0 or BLOCK_SIZE % rate):
+                raise UnsupportedCheckpointError(
+                    f"compress rate {rate} for {layer_type} must divide the state block size {BLOCK_SIZE}"
+                )
+        if self.num_key_value_heads != 1:
+            raise UnsupportedCheckpointError("DeepSeek-V4 uses a single shared KV head (num_key_value_heads=1)")
+        if self.num_attention_heads % self.o_groups:
+            raise UnsupportedCheckpointError("num_attention_heads must be divisible by o_groups")
+        if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
+            raise UnsupportedCheckpointError(f"unknown scoring_func {self.scoring_func!r}")
+        if self.hidden_act != "silu":
+            raise UnsupportedCheckpointError(f"hidden_act {self.hidden_act!r} is not supported (silu only)")
+        if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
+            raise UnsupportedCheckpointError(f"bad rotary dim {self.rope_head_dim} for head_dim {self.head_dim}")
+        for label, params in self.rope_parameters.items():
+            if params.get("rope_type", "default") not in ("default", "yarn"):
+                raise UnsupportedCheckpointError(f"rope_type {params['rope_type']!r} ({label}) is not supported")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"])
+        return out
+
+
+def _nest_rope_parameters(cfg: ModelConfig, rp: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Rope settings keyed by rope type: `main` (sliding layers) and `compress` (CSA / HCA layers).
+
+    YaRN scaling applies to the compress branch only, and its cos/sin are not scaled
+    (`attention_factor` = 1) unless the config says otherwise, as in the V4 reference.
+    """
+    rp = dict(rp or {})
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return {"main": dict(rp["main"]), "compress": dict(rp["compress"])}
+    main = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary_factor}
+    compress = {
+        **{k: v for k, v in rp.items() if k not in ("main", "compress", "type")},
+        "rope_theta": cfg.compress_rope_theta,
+        "partial_rotary_factor": cfg.partial_rotary_factor,
+    }
+    compress["rope_type"] = rp.get("rope_type", rp.get("type", "default"))
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    return {"main": main, "compress": compress}

@@ -1,0 +1,207 @@
+"""LLMEngine: requests in, tokens out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence as SequenceOf
+from pathlib import Path
+
+import torch
+
+from engine.backends import select_backend
+from engine.config import ModelConfig
+from engine.errors import InvalidRequestError, UnknownRequestError
+from engine.loader import load_model
+from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, SequenceStatus
+from engine.state_cache import StateCache
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        max_model_len: int | None = None,
+        num_blocks: int | None = None,
+        state_memory_bytes: int = 4 << 30,
+        kernel_backend: str | None = None,
+    ):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.backend = select_backend(self.device, kernel_backend)
+        model.use_backend(self.backend)
+        self.max_model_len = min(
+            max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
+        if num_blocks is None:
+            # enough for every slot to hold a full-length sequence, within the memory budget
+            cache_probe = StateCache(self.config, 0, 0, self.dtype, "meta")
+            wanted = max_num_seqs * StateCache.blocks_needed(self.max_model_len)
+            affordable = (state_memory_bytes - max_num_seqs * cache_probe.layout.slot_bytes) // max(
+                cache_probe.layout.block_bytes, 1
+            )
+            num_blocks = max(1, min(wanted, affordable))
+        self.cache = StateCache(self.config, num_blocks, max_num_seqs, self.dtype, self.device)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._aborted: list[RequestOutput] = []
+        self._seed_source = random.Random()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None, **kwargs
+    ) -> LLMEngine:
+        return cls(load_model(path, device=device, dtype=dtype), **kwargs)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], sampling_params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt = self._validate_tokens(prompt_token_ids)
+        total = len(prompt) + sampling_params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling_params.max_tokens}) = {total} "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        if self.cache.uses_blocks and self.cache.blocks_needed(total) > self.cache.num_blocks:
+            raise InvalidRequestError(
+                f"{total} tokens need more state than this engine holds ({self.cache.num_blocks} blocks)"
+            )
+        seed = sampling_params.seed if sampling_params.seed is not None else self._seed_source.getrandbits(63)
+        seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            raise UnknownRequestError(f"no request {request_id!r} (finished, aborted or never added)")
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self._aborted.append(RequestOutput(request_id, [], [], True, "abort", len(seq.prompt_token_ids)))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outputs
+        slices, token_ids, last_rows, sampled = [], [], [], []
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
+            token_ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+            if seq.num_computed + n == seq.num_tokens:
+                last_rows.append(len(token_ids) - 1)
+                sampled.append(seq)
+        step = StepInput(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
+        hidden = self.model(step, self.cache)
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.num_computed += n
+        if not sampled:
+            return outputs
+        logits = self.model.compute_logits(hidden[last_rows])
+        tokens, logprobs = self.sampler(logits, sampled)
+        for seq, token, logprob in zip(sampled, tokens, logprobs, strict=True):
+            seq.output_token_ids.append(token)
+            seq.output_logprobs.append(logprob)
+            reason = self._finish_reason(seq, token)
+            if reason:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                self.scheduler.remove(seq)
+                del self.seqs[seq.request_id]
+            outputs.append(
+                RequestOutput(seq.request_id, [token], [logprob], reason is not None, reason, len(seq.prompt_token_ids))
+            )
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- convenience ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: SequenceOf[SequenceOf[int]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run the prompts to completion, batched together; outputs in prompt order."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
+        if len(params) != len(prompts):
+            raise InvalidRequestError("one SamplingParams, or one per prompt")
+        ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        seqs = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+                self.add_request(request_id, prompt, p)
+                seqs.append(self.seqs[request_id])
+        except Exception:
+            for seq in seqs:
+                self.abort(seq.request_id)
+            raise
+        while any(not seq.is_finished for seq in seqs):
+            self.step()
+        return [
+            CompletionOutput(s.request_id, s.prompt_token_ids, s.output_token_ids, s.output_logprobs, s.finish_reason)
+            for s in seqs
+        ]
+
+    @torch.inference_mode()
+    def score(self, token_ids: SequenceOf[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] (fp32) of every prompt position, computed in chunks."""
+        tokens = self._validate_tokens(token_ids)
+        if len(tokens) > self.max_model_len:
+            raise InvalidRequestError(f"{len(tokens)} tokens exceed the model's context of {self.max_model_len}")
+        n_blocks = self.cache.blocks_needed(len(tokens)) if self.cache.uses_blocks else 0
+        if self.cache.num_free_slots == 0 or n_blocks > self.cache.block_allocator.num_free:
+            raise InvalidRequestError("not enough free state to score now; retry when running requests finish")
+        slot = self.cache.allocate_slot()
+        blocks = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
+        try:
+            logits = []
+            for start in range(0, len(tokens), self.max_num_batched_tokens):
+                chunk = tokens[start : start + self.max_num_batched_tokens]
+                step = StepInput(
+                    torch.tensor(chunk, dtype=torch.long, device=self.device),
+                    [SeqSlice(slot, start, len(chunk), blocks)],
+                )
+                logits.append(self.model.compute_logits(self.model(step, self.cache)))
+            return torch.cat(logits)
+        finally:
+            for block in blocks:
+                self.cache.block_allocator.release(block)
+            self.cache.release_slot(slot)
+
+    def _validate_tokens(self, token_ids: SequenceOf[int]) -> list[int]:
+        tokens = list(token_ids)
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return tokens

@@ -1,0 +1,611 @@
+"""The DeepSeek-V4 architecture over paged state.
+
+Parameter names and shapes match transformers' `DeepseekV4ForCausalLM`, so its checkpoints
+load directly. The forward pass is ours: it runs on a flat list of tokens from many
+sequences (a `StepInput`), reads and writes the paged `StateCache`, and never
+materialises a per-request cache object.
+
+A step is either a prefill step (one or more sequences, each with a chunk of new tokens)
+or a decode step (many sequences, one token each). Everything but the attention core is
+token-wise and runs on all tokens at once; the attention core is vectorised across
+sequences for decode and runs per sequence chunk for prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.backends import TorchBackend
+from engine.config import BLOCK_SIZE, CSA, SLIDING, ModelConfig
+from engine.rope import RotaryEmbedding, apply_rope
+from engine.state_cache import CompressorState, StateCache
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SeqSlice:
+    """The tokens of one sequence computed in this step: positions start .. start + length - 1."""
+
+    slot: int
+    start: int
+    length: int
+    block_table: list[int]
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor  # [T]
+    slices: list[SeqSlice]
+    positions: torch.Tensor = field(init=False)  # [T]
+    is_decode: bool = field(init=False)
+    slots: torch.Tensor | None = field(init=False, default=None)  # [B] (decode)
+    block_tables: torch.Tensor | None = field(init=False, default=None)  # [B, max_blocks] (decode)
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        device = self.input_ids.device
+        self.is_decode = all(s.length == 1 for s in self.slices)
+        self.positions = torch.tensor(
+            [p for s in self.slices for p in range(s.start, s.start + s.length)], dtype=torch.long, device=device
+        )
+        if self.is_decode:
+            self.slots = torch.tensor([s.slot for s in self.slices], dtype=torch.long, device=device)
+            width = max(1, max(len(s.block_table) for s in self.slices))
+            table = [s.block_table + [0] * (width - len(s.block_table)) for s in self.slices]
+            self.block_tables = torch.tensor(table, dtype=torch.long, device=device)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose weight stays in fp32; the product is cast back to the input dtype once."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class GroupedLinear(nn.Linear):
+    """Block-diagonal projection: each of `n_groups` head groups is projected on its own."""
+
+    def __init__(self, in_per_group: int, out_features: int, n_groups: int):
+        super().__init__(in_per_group, out_features, bias=False)
+        self.n_groups = n_groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, in] -> [T, G * out / G]
+        w = self.weight.view(self.n_groups, -1, x.shape[-1])
+        return torch.einsum("tgi,gri->tgr", x, w).flatten(1)
+
+
+class Compressor(nn.Module):
+    """Pools every `rate` tokens into one compressed key/value entry (HCA), or, with `overlap`,
+    pools two interleaved series over windows of 2 * rate tokens with stride rate (CSA).
+
+    Entry w covers tokens [w*rate, (w+1)*rate) (plus the previous window's first series
+    when overlapping), gets RoPE at position w*rate, and becomes visible to a query at
+    position p once p >= (w+1)*rate - 1.
+    """
+
+    def __init__(self, config: ModelConfig, rate: int, dim: int, overlap: bool, rotary: RotaryEmbedding):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.rate, self.dim, self.overlap = rate, dim, overlap
+        self.kv_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
+        self.rotary = rotary
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.kv_proj(x)
+        gate = self.gate_proj(x) + self.position_bias[positions % self.rate]
+        return kv, gate.to(kv.dtype)
+
+    def pool(
+        self,
+        kv: torch.Tensor,  # [n, rate, width]
+        gate: torch.Tensor,
+        prev_kv: torch.Tensor | None,  # [n, rate, dim]
+        prev_gate: torch.Tensor | None,
+        has_prev: torch.Tensor | None,  # [n] bool
+        first_positions: torch.Tensor,  # [n]
+    ) -> torch.Tensor:
+        if self.overlap:
+            d = self.dim
+            keep = has_prev.view(-1, 1, 1)
+            prev_kv = torch.where(keep, prev_kv, torch.zeros_like(prev_kv))
+            prev_gate = torch.where(keep, prev_gate, torch.full_like(prev_gate, NEG_INF))
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        entries = self.kv_norm((kv * weights).sum(dim=1))
+        cos, sin = self.rotary(first_positions, entries.dtype)
+        return apply_rope(entries, cos, sin)
+
+    def update_prefill(self, x: torch.Tensor, s: SeqSlice, state: CompressorState) -> None:
+        """Fold one sequence chunk into the pending window, write every window it closes."""
+        m = self.rate
+        positions = torch.arange(s.start, s.start + s.length, device=x.device)
+        kv, gate = self.project(x, positions)
+        window_start = (s.start // m) * m
+        pending = s.start - window_start
+        if pending:
+            kv = torch.cat([state.pending_kv[s.slot, :pending], kv])
+            gate = torch.cat([state.pending_gate[s.slot, :pending], gate])
+        n_windows = kv.shape[0] // m
+        closed = n_windows * m
+        left = kv.shape[0] - closed
+        if n_windows:
+            kv_w = kv[:closed].view(n_windows, m, -1)
+            gate_w = gate[:closed].view(n_windows, m, -1)
+            first_entry = window_start // m
+            prev_kv = prev_gate = has_prev = None
+            if self.overlap:
+                d = self.dim
+                prev_kv = torch.cat([state.prev_kv[s.slot : s.slot + 1], kv_w[:-1, :, :d]])
+                prev_gate = torch.cat([state.prev_gate[s.slot : s.slot + 1], gate_w[:-1, :, :d]])
+                has_prev = torch.arange(first_entry, first_entry + n_windows, device=x.device) > 0
+                state.prev_kv[s.slot] = kv_w[-1, :, :d]
+                state.prev_gate[s.slot] = gate_w[-1, :, :d]
+            entry_ids = torch.arange(first_entry, first_entry + n_windows, device=x.device)
+            entries = self.pool(kv_w, gate_w, prev_kv, prev_gate, has_prev, entry_ids * m)
+            self._write_entries(state, torch.tensor(s.block_table, device=x.device), entry_ids, entries)
+        if left:
+            state.pending_kv[s.slot, :left] = kv[closed:]
+            state.pending_gate[s.slot, :left] = gate[closed:]
+
+    def update_decode(self, x: torch.Tensor, step: StepInput, state: CompressorState) -> None:
+        """Add each sequence's new token to its pending window; pool the windows it closes."""
+        m = self.rate
+        kv, gate = self.project(x, step.positions)
+        offsets = step.positions % m
+        state.pending_kv[step.slots, offsets] = kv
+        state.pending_gate[step.slots, offsets] = gate
+        closing = (offsets == m - 1).nonzero().flatten()
+        if closing.numel() == 0:
+            return
+        slots = step.slots[closing]
+        entry_ids = step.positions[closing] // m
+        prev_kv = prev_gate = has_prev = None
+        if self.overlap:
+            prev_kv, prev_gate, has_prev = state.prev_kv[slots], state.prev_gate[slots], entry_ids > 0
+        window_kv, window_gate = state.pending_kv[slots], state.pending_gate[slots]
+        entries = self.pool(window_kv, window_gate, prev_kv, prev_gate, has_prev, entry_ids * m)
+        if self.overlap:
+            state.prev_kv[slots] = window_kv[..., : self.dim]
+            state.prev_gate[slots] = window_gate[..., : self.dim]
+        block_ids = step.block_tables[closing].gather(1, (entry_ids * m // BLOCK_SIZE).unsqueeze(1)).squeeze(1)
+        state.entries[block_ids, entry_ids % state.entries_per_block] = entries
+
+    @staticmethod
+    def _write_entries(
+        state: CompressorState, block_table: torch.Tensor, entry_ids: torch.Tensor, entries: torch.Tensor
+    ) -> None:
+        per_block = state.entries_per_block
+        state.entries[block_table[entry_ids // per_block], entry_ids % per_block] = entries
+
+
+def gather_entries(state: CompressorState, block_table: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` entries of one sequence, [count, dim]."""
+    n_blocks = -(-count // state.entries_per_block)
+    return state.entries[block_table[:n_blocks]].flatten(0, 1)[:count]
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
+
+
+class Indexer(Compressor):
+    """Lightning indexer: its own compressed keys at index_head_dim, scored against per-token
+    queries as sum_h w_h * relu(q_h . k); each query keeps its top-k compressed entries."""
+
+    def __init__(self, config: ModelConfig, rate: int, rotary: RotaryEmbedding):
+        super().__init__(config, rate, config.index_head_dim, overlap=True, rotary=rotary)
+        self.num_heads, self.topk = config.index_n_heads, config.index_topk
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.dim, bias=False)
+        self.scorer = IndexerScorer(config)
+        self.softmax_scale = self.dim**-0.5
+        self.weights_scaling = self.num_heads**-0.5
+
+    def queries(self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_b_proj(q_residual).view(q_residual.shape[0], self.num_heads, self.dim)
+        return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def select(self, scores: torch.Tensor, count: int) -> torch.Tensor:
+        """Indices of the `count` best entries per query.
+
+        ReLU makes exact ties common (an entry every head scores negative gets exactly 0),
+        and `torch.topk` breaks ties differently for different tensor lengths. A stable sort
+        gives ties to the earlier entry, so the choice never depends on chunking, padding
+        or batching: cached, chunked and batched runs all select the same entries.
+        """
+        return scores.sort(dim=-1, descending=True, stable=True).indices[..., :count]
+
+    def scores(self, q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """q [..., H, dI], keys [..., T, dI], x [..., hidden] -> [..., T]."""
+        raw = torch.matmul(q.float(), keys.float().transpose(-1, -2))  # [..., H, T]
+        raw = F.relu(raw) * self.softmax_scale
+        weights = self.scorer.weights_proj(x).float() * self.weights_scaling  # [..., H]
+        return (raw * weights.unsqueeze(-1)).sum(dim=-2)
+
+
+class CSACompressor(Compressor):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        rate = config.compress_rates[CSA]
+        super().__init__(config, rate, config.head_dim, overlap=True, rotary=rotary)
+        self.indexer = Indexer(config, rate, rotary)
+
+
+class Attention(nn.Module):
+    """Shared-KV multi-query attention over a sliding window plus compressed entries, with
+    per-head attention sinks and a grouped low-rank output projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: dict[str, RotaryEmbedding]):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.rope_type = "main" if self.layer_type == SLIDING else "compress"
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.window = config.sliding_window
+        self.scaling = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(
+            self.num_heads * self.head_dim // config.o_groups, config.o_groups * config.o_lora_rank, config.o_groups
+        )
+        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.backend = TorchBackend()
+        self.compressor: Compressor | None = None
+        if self.layer_type == CSA:
+            self.compressor = CSACompressor(config, rotary["compress"])
+        elif self.layer_type != SLIDING:
+            rate = config.compress_rate(layer_idx)
+            self.compressor = Compressor(config, rate, self.head_dim, overlap=False, rotary=rotary["compress"])
+
+    def forward(self, x: torch.Tensor, step: StepInput, cache: StateCache) -> torch.Tensor:
+        n_tokens = x.shape[0]
+        cos, sin = step.rope[self.rope_type]
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+        compressor = cache.compressors.get(self.layer_idx)
+        indexer = cache.indexers.get(self.layer_idx)
+        if step.is_decode:
+            if self.compressor is not None:
+                self.compressor.update_decode(x, step, compressor)
+                if indexer is not None:
+                    self.compressor.indexer.update_decode(x, step, indexer)
+            out = self._decode(q, kv, x, q_residual, step, cache)
+        else:
+            outs, begin = [], 0
+            for s in step.slices:
+                end = begin + s.length
+                if self.compressor is not None:
+                    self.compressor.update_prefill(x[begin:end], s, compressor)
+                    if indexer is not None:
+                        self.compressor.indexer.update_prefill(x[begin:end], s, indexer)
+                chunk = slice(begin, end)
+                rope = (cos[chunk], sin[chunk])
+                outs.append(self._prefill(q[chunk], kv[chunk], x[chunk], q_residual[chunk], rope, s, cache))
+                begin = end
+            out = torch.cat(outs)
+
+        # K = V, so the values carry RoPE too: rotate the output back by the query position.
+        out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        grouped = self.o_a_proj(out.reshape(n_tokens, self.config.o_groups, -1))
+        return self.o_b_proj(grouped)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,  # [S, H, d]
+        kv: torch.Tensor,  # [S, d]
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],  # this chunk's cos / sin (the compress ones on CSA layers)
+        s: SeqSlice,
+        cache: StateCache,
+    ) -> torch.Tensor:
+        device = q.device
+        window = cache.window[self.layer_idx]
+        # Keys: the window's earlier positions (read before this chunk overwrites the ring), then the chunk.
+        n_prior = min(s.start, self.window - 1)
+        prior_positions = torch.arange(s.start - n_prior, s.start, device=device)
+        keys = torch.cat([window[s.slot, prior_positions % self.window], kv])
+        key_positions = torch.arange(s.start - n_prior, s.start + s.length, device=device)
+        query_positions = torch.arange(s.start, s.start + s.length, device=device)
+        distance = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
+        bias = torch.zeros(distance.shape, dtype=q.dtype, device=device)
+        bias.masked_fill_((distance < 0) | (distance >= self.window), NEG_INF)
+
+        if self.compressor is not None:
+            rate = self.compressor.rate
+            count = (s.start + s.length) // rate
+            block_table = torch.tensor(s.block_table, dtype=torch.long, device=device)
+            entries = gather_entries(cache.compressors[self.layer_idx], block_table, count)
+            visible = torch.arange(count, device=device).unsqueeze(0) < ((query_positions + 1) // rate).unsqueeze(1)
+            if self.layer_type == CSA and count:
+                indexer = self.compressor.indexer
+                index_keys = gather_entries(cache.indexers[self.layer_idx], block_table, count)
+                scores = indexer.scores(indexer.queries(q_residual, *rope), index_keys.unsqueeze(0), x)
+                scores = scores.masked_fill(~visible, NEG_INF)
+                top = indexer.select(scores, min(indexer.topk, count))
+                chosen = torch.zeros_like(visible).scatter_(1, top, True)
+                visible = visible & chosen
+            compressed_bias = torch.zeros(visible.shape, dtype=q.dtype, device=device).masked_fill_(~visible, NEG_INF)
+            keys = torch.cat([keys, entries])
+            bias = torch.cat([bias, compressed_bias], dim=1)
+
+        out = self.backend.attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), bias.unsqueeze(0), self.sinks, self.scaling
+        ).squeeze(0)
+        keep = min(s.length, self.window)
+        window[s.slot, query_positions[-keep:] % self.window] = kv[-keep:]
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [B, H, d]
+        kv: torch.Tensor,  # [B, d]
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        step: StepInput,
+        cache: StateCache,
+    ) -> torch.Tensor:
+        window = cache.window[self.layer_idx]
+        positions, slots = step.positions, step.slots
+        window[slots, positions % self.window] = kv
+        keys = window[slots]  # [B, W, d]
+        ring = torch.arange(self.window, device=q.device)
+        # ring slot j holds position p - ((p - j) mod W), which exists once it is >= 0
+        bias = torch.zeros(keys.shape[:2], dtype=q.dtype, device=q.device)
+        bias.masked_fill_(ring.unsqueeze(0) > positions.unsqueeze(1), NEG_INF)
+
+        if self.compressor is not None:
+            state = cache.compressors[self.layer_idx]
+            rate = self.compressor.rate
+            counts = (positions + 1) // rate  # [B]
+            all_entries = state.entries[step.block_tables].flatten(1, 2)  # [B, blocks * per_block, d]
+            entry_ids = torch.arange(all_entries.shape[1], device=q.device)
+            visible = entry_ids.unsqueeze(0) < counts.unsqueeze(1)
+            if self.layer_type == CSA:
+                indexer = self.compressor.indexer
+                index_keys = cache.indexers[self.layer_idx].entries[step.block_tables].flatten(1, 2)
+                iq = indexer.queries(q_residual, *step.rope["compress"])
+                scores = indexer.scores(iq, index_keys, x).masked_fill(~visible, NEG_INF)
+                top = indexer.select(scores, min(indexer.topk, all_entries.shape[1]))  # [B, k]
+                visible = visible.gather(1, top)
+                all_entries = all_entries.gather(1, top.unsqueeze(-1).expand(-1, -1, all_entries.shape[-1]))
+            compressed_bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+            keys = torch.cat([keys, all_entries], dim=1)
+            bias = torch.cat([bias, compressed_bias.masked_fill_(~visible, NEG_INF)], dim=1)
+
+        out = self.backend.attention(q.unsqueeze(2), keys, bias.unsqueeze(1), self.sinks, self.scaling)  # [B, 1, H, d]
+        return out.squeeze(1)
+
+
+class MLP(nn.Module):
+    """The shared expert: SwiGLU with the gate clamped from above and the up projection clamped both ways."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.moe_intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.moe_intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.moe_intermediate_size, config.hidden_size, bias=False)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Experts(nn.Module):
+    """Routed experts stored as 3-D tensors, [E, 2I, D] (gate rows then up rows) and [E, D, I]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.zeros(e, d, i))
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.backend.routed_experts(x, indices, weights, self.gate_up_proj, self.down_proj, self.limit)
+
+
+class Router(nn.Module):
+    """Learned top-k router (`moe`) or a frozen token-id -> experts table (`hash_moe`); both weight
+    the chosen experts by normalised scores."""
+
+    def __init__(self, config: ModelConfig, hashed: bool):
+        super().__init__()
+        self.hashed = hashed
+        self.top_k = config.num_experts_per_tok
+        self.scoring = config.scoring_func
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        if self.scoring == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        if self.hashed:
+            indices = self.tid2eid[input_ids].long()
+        else:
+            indices = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return indices, weights * self.scaling
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.gate = Router(config, hashed=config.mlp_layer_types[layer_idx] == "hash_moe")
+        self.experts = Experts(config)
+        self.shared_experts = MLP(config)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        indices, weights = self.gate(x, input_ids)
+        return self.experts(x, indices, weights) + self.shared_experts(x)
+
+
+class HyperConnection(nn.Module):
+    """Manifold-constrained hyper-connection: from the hc_mult residual streams, compute how to
+    collapse them into the block input (pre), spread the block output back (post) and mix
+    the streams (comb, projected onto doubly stochastic matrices by Sinkhorn-Knopp)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        n = config.hc_mult
+        self.n, self.iters, self.eps, self.norm_eps = n, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * config.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self.n
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.fn)
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the residual streams into one hidden state."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        n = config.hc_mult
+        self.eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: dict[str, RotaryEmbedding]):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, rotary)
+        self.mlp = SparseMoeBlock(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, step: StepInput, cache: StateCache) -> torch.Tensor:
+        dtype = streams.dtype
+        post, comb, collapsed = self.attn_hc(streams)
+        out = self.self_attn(self.input_layernorm(collapsed), step, cache)
+        streams = post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams
+        post, comb, collapsed = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(collapsed), step.input_ids)
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        rope_dim, max_pos = config.rope_head_dim, config.max_position_embeddings
+        self.rotary = {
+            label: RotaryEmbedding(config.rope_parameters[label], rope_dim, max_pos) for label in ("main", "compress")
+        }
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+
+    def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
+        embeds = self.embed_tokens(step.input_ids)
+        step.rope = {label: rotary(step.positions, embeds.dtype) for label, rotary in self.rotary.items()}
+        streams = embeds.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, step, cache)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every token in the step."""
+        return self.model(step, cache)
+
+    def use_backend(self, backend: object) -> None:
+        """Route the attention core and the routed experts of every layer through `backend`."""
+        for module in self.modules():
+            if isinstance(module, (Attention, Experts)):
+                module.backend = backend
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+# Parameters that stay in fp32 whatever the checkpoint dtype (as in the reference).
+FP32_PARAMETER_SUFFIXES = (
+    "attn_hc.fn",
+    "attn_hc.base",
+    "attn_hc.scale",
+    "ffn_hc.fn",
+    "ffn_hc.base",
+    "ffn_hc.scale",
+    "hc_head.hc_fn",
+    "hc_head.hc_base",
+    "hc_head.hc_scale",
+    "sinks",
+    "position_bias",
+    "e_score_correction_bias",
+    "norm.weight",
+    "layernorm.weight",
+)

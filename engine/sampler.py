@@ -1,0 +1,61 @@
+"""Token selection: greedy, or temperature with top-k / top-p, from a counter-based random stream.
+
+A sampled token draws one uniform number from hash(seed, position), never from a shared
+generator, so the same seed and prompt give the same tokens whatever else is batched
+with them, and a preempted request resumes on exactly the stream it left.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def counter_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) from (seed, position) by the splitmix64 finaliser."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        """logits [B, V] (fp32) for the next token of each sequence -> (token ids, their logprobs).
+
+        Logprobs are those of the model's own distribution, before temperature and filters.
+        """
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            temperatures = torch.tensor([seqs[i].params.temperature for i in random_rows], device=logits.device)
+            scaled = logits[rows] / temperatures.unsqueeze(1)
+            for row, i in enumerate(random_rows):
+                scaled[row] = _filter(scaled[row], seqs[i].params.top_k, seqs[i].params.top_p)
+            cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+            # the position of the token being sampled identifies its draw
+            u = [counter_uniform(seqs[i].seed, seqs[i].num_tokens) for i in random_rows]
+            u = torch.tensor(u, dtype=cdf.dtype, device=logits.device).unsqueeze(1) * cdf[:, -1:]
+            picked = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
+            tokens[rows] = picked
+        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        return tokens.tolist(), chosen.tolist()
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set the logits outside the top-k and outside the top-p nucleus to -inf (one row)."""
+    if top_k and top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token once the tokens before it already cover top_p; the first always stays
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), float("-inf"))
+    return logits

@@ -1,0 +1,130 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+A step is either all prefill (chunks of prompts, within a token budget) or all decode
+(one token for every running sequence). Sequences join between any two steps and leave
+as soon as they finish or are aborted. When state blocks run out, the most recently
+admitted sequence is preempted: its state is dropped and it is recomputed later from
+its tokens, which gives the same result; nothing is ever truncated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.sequence import Sequence, SequenceStatus
+from engine.state_cache import StateCache
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # tokens each sequence computes in this step
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the schedule and give back its state."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        # Sequences already admitted but with more than one token to compute (chunked prompts) first.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.num_pending <= 1 or seq not in self.running:
+                continue
+            n = min(seq.num_pending, budget)
+            if not self._reserve(seq, seq.num_computed + n, protect=seqs):
+                break
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            if self.cache.num_free_slots == 0 or not self._fits(seq.num_computed + n, seq):
+                break
+            self.waiting.popleft()
+            seq.slot = self.cache.allocate_slot()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._reserve(seq, seq.num_computed + n, protect=seqs)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_pending != 1:  # preempted to make room for an earlier one
+                continue
+            if self._reserve(seq, seq.num_tokens, protect=seqs):
+                seqs.append(seq)
+        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+
+    def _fits(self, num_tokens: int, seq: Sequence) -> bool:
+        if not self.cache.uses_blocks:
+            return True
+        return self.cache.blocks_needed(num_tokens) - len(seq.block_table) <= self.cache.block_allocator.num_free
+
+    def _reserve(self, seq: Sequence, num_tokens: int, protect: list[Sequence]) -> bool:
+        """Give `seq` blocks for `num_tokens` tokens, preempting newer sequences if needed.
+
+        Returns False (and preempts `seq` itself) when only `protect`ed sequences are left to preempt.
+        """
+        if not self.cache.uses_blocks:
+            return True
+        while not self._fits(num_tokens, seq):
+            victims = [s for s in self.running if s is not seq and s not in protect]
+            if not victims:
+                self._preempt(seq)
+                return False
+            self._preempt(max(victims, key=lambda s: s.arrival))
+        while len(seq.block_table) < self.cache.blocks_needed(num_tokens):
+            seq.block_table.append(self.cache.block_allocator.allocate())
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        for block_id in seq.block_table:
+            self.cache.block_allocator.release(block_id)
+        seq.block_table = []
+        if seq.slot is not None:
+            self.cache.release_slot(seq.slot)
+            seq.slot = None

@@ -1,0 +1,149 @@
+"""Engine behaviour: chunked prefill, continuous batching, preemption, abort, sampling, stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams, UnknownRequestError
+from tests.conftest import random_prompts
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+LENGTHS = (1, 17, 129, 300, 520)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model) -> dict[int, list[int]]:
+    """Greedy outputs with the whole prompt in one step, one request at a time."""
+    engine = LLMEngine(tiny_model, max_num_batched_tokens=4096)
+    return {len(p): engine.generate([p], GREEDY)[0].token_ids for p in random_prompts(LENGTHS, seed=3)}
+
+
+def _all_state_free(engine: LLMEngine) -> bool:
+    cache = engine.cache
+    return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 128, 333])
+def test_chunked_prefill_gives_same_greedy_output(tiny_model, expected, chunk):
+    engine = LLMEngine(tiny_model, max_num_batched_tokens=chunk)
+    outputs = engine.generate(random_prompts(LENGTHS, seed=3), GREEDY)
+    assert {len(o.prompt_token_ids): o.token_ids for o in outputs} == expected
+    assert _all_state_free(engine)
+
+
+def test_requests_join_and_leave_between_steps(engine, expected):
+    prompts = random_prompts(LENGTHS, seed=3)
+    engine.add_request("a", prompts[3], GREEDY)
+    engine.add_request("b", prompts[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    finished: list[str] = []
+    for step in range(200):
+        if step == 4:
+            engine.add_request("c", prompts[4], GREEDY)
+        if step == 9:
+            engine.add_request("d", prompts[2], GREEDY)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished.append(out.request_id)
+        if not engine.has_unfinished_requests():
+            break
+    assert finished[0] == "b"  # the short request left while the others kept going
+    assert tokens["b"] == expected[1][:3]
+    assert tokens["a"] == expected[300]
+    assert tokens["c"] == expected[520]
+    assert tokens["d"] == expected[129]
+    assert _all_state_free(engine)
+
+
+def test_preemption_recomputes_and_gives_same_output(tiny_model, expected):
+    # 5 blocks of 128 tokens cannot hold these requests at once (they need 1 + 3 + 3 + 5 blocks)
+    engine = LLMEngine(tiny_model, num_blocks=5, max_num_batched_tokens=256)
+    prompts = random_prompts(LENGTHS, seed=3)
+    wanted = [prompts[1], prompts[3], prompts[3], prompts[4]]
+    outputs = engine.generate(wanted, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == [expected[17], expected[300], expected[300], expected[520]]
+    assert _all_state_free(engine)
+
+
+def test_abort_releases_state_and_others_continue(engine, expected):
+    prompts = random_prompts(LENGTHS, seed=3)
+    for name, prompt in zip("xyz", prompts[2:5], strict=True):
+        engine.add_request(name, prompt, GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.abort("y")
+    with pytest.raises(UnknownRequestError, match="'y'"):
+        engine.abort("y")
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert reasons == {"y": "abort", "x": "length", "z": "length"}
+    assert _all_state_free(engine)
+
+
+def test_abort_of_waiting_request(engine):
+    engine.add_request("w", [1, 2, 3], GREEDY)
+    engine.abort("w")
+    outputs = engine.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outputs] == [("w", True, "abort")]
+    assert not engine.has_unfinished_requests()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    prompt = random_prompts([40], seed=5)[0]
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate([prompt], params)[0].token_ids
+    crowd = [SamplingParams(max_tokens=30, temperature=0.8, seed=s, ignore_eos=True) for s in range(5)]
+    outs = engine.generate([*random_prompts([7, 200, 33, 129, 64], seed=6), prompt], [*crowd, params])
+    assert outs[-1].token_ids == alone
+    other_seed = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True)
+    assert engine.generate([prompt], other_seed)[0].token_ids != alone
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].token_ids
+    assert alone != greedy  # temperature 1 really samples
+
+
+def test_stop_token_ids_max_tokens_and_eos(engine, expected):
+    prompt = random_prompts(LENGTHS, seed=3)[2]
+    full = expected[129]
+    stop = full[5]
+    first = full.index(stop)
+    out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop]))[0]
+    assert out.token_ids == full[: first + 1] and out.finish_reason == "stop"
+
+    out = engine.generate([prompt], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == full[:7] and out.finish_reason == "length"
+
+    eos_before = engine.config.eos_token_id
+    engine.config.eos_token_id = stop
+    try:
+        out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
+        assert out.token_ids == full[: first + 1] and out.finish_reason == "stop"
+        out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+        assert out.token_ids == full and out.finish_reason == "length"
+    finally:
+        engine.config.eos_token_id = eos_before
+
+
+def test_logprobs_are_those_of_the_model(engine):
+    prompt = random_prompts([50], seed=8)[0]
+    out = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True))[0]
+    logits = engine.score(prompt + out.token_ids[:-1])[len(prompt) - 1 :]
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+
+
+def test_score_returns_logits_of_every_position(engine):
+    prompt = random_prompts([300], seed=9)[0]
+    logits = engine.score(prompt)
+    assert logits.shape == (300, engine.config.vocab_size)
+    # the last row is what greedy decoding picks from
+    first = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    assert first == logits[-1].argmax().item()
+    assert torch.allclose(engine.score(prompt[:100]), logits[:100], atol=1e-5)
