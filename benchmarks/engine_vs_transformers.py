@@ -125,6 +125,10 @@ def main() -> None:
     state = []
     for name, cfg in (("this checkpoint", config), ("DeepSeek-V4 defaults", type(config).from_dict({}))):
         layout = StateLayout(cfg, torch.bfloat16)
+        print(
+            f"  {name:>20}: {layout.slot_bytes / 2**20:.2f} MiB per sequence (window rings, open windows) "
+            f"+ {layout.block_bytes / 2**10:.1f} KiB per 128-token block (compressed entries, indexer keys)"
+        )
         for tokens in (4096, 65536):
             allocated, minimum = layout.allocated_bytes(tokens), layout.minimum_bytes(tokens)
             print(

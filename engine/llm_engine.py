@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.backends import select_backend
+from engine.backends import keep_freed_memory_in_process, select_backend
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.loader import load_model
@@ -36,6 +36,7 @@ class LLMEngine:
         self.config: ModelConfig = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
+        keep_freed_memory_in_process()
         self.backend = select_backend(self.device, kernel_backend)
         model.use_backend(self.backend)
         self.max_model_len = min(

@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.backends import TorchBackend
 from engine.config import BLOCK_SIZE, CSA, SLIDING, ModelConfig
-from engine.rope import RotaryEmbedding, apply_rope
+from engine.rope import RotaryEmbedding, apply_rope_
 from engine.state_cache import CompressorState, StateCache
 
 NEG_INF = float("-inf")
@@ -133,13 +133,11 @@ class Compressor(nn.Module):
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entries = self.kv_norm((kv * weights).sum(dim=1))
         cos, sin = self.rotary(first_positions, entries.dtype)
-        return apply_rope(entries, cos, sin)
+        return apply_rope_(entries, cos, sin)
 
-    def update_prefill(self, x: torch.Tensor, s: SeqSlice, state: CompressorState) -> None:
-        """Fold one sequence chunk into the pending window, write every window it closes."""
+    def update_prefill(self, kv: torch.Tensor, gate: torch.Tensor, s: SeqSlice, state: CompressorState) -> None:
+        """Fold one sequence chunk's projections into the pending window, write every window it closes."""
         m = self.rate
-        positions = torch.arange(s.start, s.start + s.length, device=x.device)
-        kv, gate = self.project(x, positions)
         window_start = (s.start // m) * m
         pending = s.start - window_start
         if pending:
@@ -157,12 +155,12 @@ class Compressor(nn.Module):
                 d = self.dim
                 prev_kv = torch.cat([state.prev_kv[s.slot : s.slot + 1], kv_w[:-1, :, :d]])
                 prev_gate = torch.cat([state.prev_gate[s.slot : s.slot + 1], gate_w[:-1, :, :d]])
-                has_prev = torch.arange(first_entry, first_entry + n_windows, device=x.device) > 0
+                has_prev = torch.arange(first_entry, first_entry + n_windows, device=kv.device) > 0
                 state.prev_kv[s.slot] = kv_w[-1, :, :d]
                 state.prev_gate[s.slot] = gate_w[-1, :, :d]
-            entry_ids = torch.arange(first_entry, first_entry + n_windows, device=x.device)
+            entry_ids = torch.arange(first_entry, first_entry + n_windows, device=kv.device)
             entries = self.pool(kv_w, gate_w, prev_kv, prev_gate, has_prev, entry_ids * m)
-            self._write_entries(state, torch.tensor(s.block_table, device=x.device), entry_ids, entries)
+            self._write_entries(state, torch.tensor(s.block_table, device=kv.device), entry_ids, entries)
         if left:
             state.pending_kv[s.slot, :left] = kv[closed:]
             state.pending_gate[s.slot, :left] = gate[closed:]
@@ -224,7 +222,7 @@ class Indexer(Compressor):
 
     def queries(self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.q_b_proj(q_residual).view(q_residual.shape[0], self.num_heads, self.dim)
-        return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        return apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def select(self, scores: torch.Tensor, count: int) -> torch.Tensor:
         """Indices of the `count` best entries per query.
@@ -288,8 +286,8 @@ class Attention(nn.Module):
         cos, sin = step.rope[self.rope_type]
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q = apply_rope_(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = apply_rope_(self.kv_norm(self.kv_proj(x)), cos, sin)
 
         compressor = cache.compressors.get(self.layer_idx)
         indexer = cache.indexers.get(self.layer_idx)
@@ -300,21 +298,27 @@ class Attention(nn.Module):
                     self.compressor.indexer.update_decode(x, step, indexer)
             out = self._decode(q, kv, x, q_residual, step, cache)
         else:
+            # token-wise projections for every chunk at once; the per-sequence work goes chunk by chunk
+            compressed = indexed = index_queries = None
+            if self.compressor is not None:
+                compressed = self.compressor.project(x, step.positions)
+                if indexer is not None:
+                    indexed = self.compressor.indexer.project(x, step.positions)
+                    index_queries = self.compressor.indexer.queries(q_residual, cos, sin)
             outs, begin = [], 0
             for s in step.slices:
-                end = begin + s.length
-                if self.compressor is not None:
-                    self.compressor.update_prefill(x[begin:end], s, compressor)
-                    if indexer is not None:
-                        self.compressor.indexer.update_prefill(x[begin:end], s, indexer)
-                chunk = slice(begin, end)
-                rope = (cos[chunk], sin[chunk])
-                outs.append(self._prefill(q[chunk], kv[chunk], x[chunk], q_residual[chunk], rope, s, cache))
+                chunk = slice(begin, end := begin + s.length)
+                if compressed is not None:
+                    self.compressor.update_prefill(compressed[0][chunk], compressed[1][chunk], s, compressor)
+                if indexed is not None:
+                    self.compressor.indexer.update_prefill(indexed[0][chunk], indexed[1][chunk], s, indexer)
+                chunk_queries = index_queries[chunk] if index_queries is not None else None
+                outs.append(self._prefill(q[chunk], kv[chunk], x[chunk], chunk_queries, s, cache))
                 begin = end
             out = torch.cat(outs)
 
         # K = V, so the values carry RoPE too: rotate the output back by the query position.
-        out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        out = apply_rope_(out, cos.unsqueeze(1), -sin.unsqueeze(1))
         grouped = self.o_a_proj(out.reshape(n_tokens, self.config.o_groups, -1))
         return self.o_b_proj(grouped)
 
@@ -323,8 +327,7 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [S, H, d]
         kv: torch.Tensor,  # [S, d]
         x: torch.Tensor,
-        q_residual: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],  # this chunk's cos / sin (the compress ones on CSA layers)
+        index_queries: torch.Tensor | None,  # [S, index heads, index dim] on CSA layers
         s: SeqSlice,
         cache: StateCache,
     ) -> torch.Tensor:
@@ -349,7 +352,7 @@ class Attention(nn.Module):
             if self.layer_type == CSA and count:
                 indexer = self.compressor.indexer
                 index_keys = gather_entries(cache.indexers[self.layer_idx], block_table, count)
-                scores = indexer.scores(indexer.queries(q_residual, *rope), index_keys.unsqueeze(0), x)
+                scores = indexer.scores(index_queries, index_keys.unsqueeze(0), x)
                 scores = scores.masked_fill(~visible, NEG_INF)
                 top = indexer.select(scores, min(indexer.topk, count))
                 chosen = torch.zeros_like(visible).scatter_(1, top, True)
@@ -496,8 +499,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.n
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn)
+        mixes = normalized_projection(streams, self.fn, self.norm_eps)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
@@ -508,8 +510,23 @@ class HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, collapse(pre, streams)
+
+
+def normalized_projection(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.linear(rms_normalise(streams flattened), weight) in fp32.
+
+    The RMS scale is one scalar per token, so it is applied after the (tiny) projection
+    instead of to the full-width input: the same value without a copy of the streams.
+    """
+    flat = streams.flatten(1).float()
+    mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[1]
+    return F.linear(flat, weight) * torch.rsqrt(mean_square + eps)
+
+
+def collapse(weights: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * streams[t, j]: [T, n] x [T, n, D] -> [T, D]."""
+    return torch.einsum("tn,tnd->td", weights, streams.float()).to(streams.dtype)
 
 
 class HyperHead(nn.Module):
@@ -524,9 +541,8 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        mixes = normalized_projection(streams, self.hc_fn, self.norm_eps)
+        return collapse(torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.eps, streams)
 
 
 class DecoderLayer(nn.Module):
@@ -540,13 +556,20 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(config)
 
     def forward(self, streams: torch.Tensor, step: StepInput, cache: StateCache) -> torch.Tensor:
-        dtype = streams.dtype
         post, comb, collapsed = self.attn_hc(streams)
         out = self.self_attn(self.input_layernorm(collapsed), step, cache)
-        streams = post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams
+        streams = expand_and_mix(post, out, comb, streams)
         post, comb, collapsed = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(collapsed), step.input_ids)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams
+        return expand_and_mix(post, out, comb, streams)
+
+
+def expand_and_mix(post: torch.Tensor, out: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """New streams: the block output spread by `post`, plus the old streams mixed by comb^T
+    (stream k gets sum_j comb[j, k] * streams[j]; Sinkhorn's comb is not symmetric)."""
+    dtype = streams.dtype
+    spread = post.to(dtype).unsqueeze(-1) * out.unsqueeze(1)
+    return torch.baddbmm(spread, comb.to(dtype).transpose(-1, -2), streams)
 
 
 class DeepseekV4Model(nn.Module):
@@ -577,6 +600,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         self.model = DeepseekV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.backend = TorchBackend()
 
     def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the step."""
@@ -587,9 +611,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, Experts)):
                 module.backend = backend
+        self.lm_head.backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits [T, vocab] in fp32."""
+        return self.lm_head.backend.output_logits(hidden, self.lm_head.weight)
 
 
 # Parameters that stay in fp32 whatever the checkpoint dtype (as in the reference).

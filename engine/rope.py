@@ -69,12 +69,17 @@ class RotaryEmbedding:
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing `2 * cos.shape[-1]` channels of x; cos / sin broadcast over x[..., :half]."""
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate, in place, the trailing `2 * cos.shape[-1]` channels of x; returns x.
+
+    cos / sin broadcast over x[..., :half]. Only the rotating slice is touched, so the
+    non-rotating channels (3/4 of a head in V4) are never copied.
+    """
     half = cos.shape[-1]
-    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
-    pairs = rope.float().unflatten(-1, (half, 2))
+    pairs = x[..., -2 * half :].unflatten(-1, (half, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos.float(), sin.float()
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+    e, o, cos, sin = even.float(), odd.float(), cos.float(), sin.float()
+    rotated_even, rotated_odd = e * cos - o * sin, o * cos + e * sin
+    even.copy_(rotated_even)
+    odd.copy_(rotated_odd)
+    return x
