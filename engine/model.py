@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends import TorchBackend
-from engine.config import BLOCK_SIZE, CSA, SLIDING, ModelConfig
+from engine.config import CSA, SLIDING, ModelConfig
 from engine.rope import RotaryEmbedding, apply_rope_
 from engine.state_cache import CompressorState, StateCache
 
@@ -160,15 +160,15 @@ class Compressor(nn.Module):
                 state.prev_gate[s.slot] = gate_w[-1, :, :d]
             entry_ids = torch.arange(first_entry, first_entry + n_windows, device=kv.device)
             entries = self.pool(kv_w, gate_w, prev_kv, prev_gate, has_prev, entry_ids * m)
-            self._write_entries(state, torch.tensor(s.block_table, device=kv.device), entry_ids, entries)
+            block_table = torch.tensor(s.block_table, device=kv.device)
+            state.store(block_table[state.block_index(entry_ids)], entry_ids, entries)
         if left:
             state.pending_kv[s.slot, :left] = kv[closed:]
             state.pending_gate[s.slot, :left] = gate[closed:]
 
-    def update_decode(self, x: torch.Tensor, step: StepInput, state: CompressorState) -> None:
-        """Add each sequence's new token to its pending window; pool the windows it closes."""
+    def update_decode(self, kv: torch.Tensor, gate: torch.Tensor, step: StepInput, state: CompressorState) -> None:
+        """Add each sequence's new token's projections to its pending window; pool the windows it closes."""
         m = self.rate
-        kv, gate = self.project(x, step.positions)
         offsets = step.positions % m
         state.pending_kv[step.slots, offsets] = kv
         state.pending_gate[step.slots, offsets] = gate
@@ -185,15 +185,8 @@ class Compressor(nn.Module):
         if self.overlap:
             state.prev_kv[slots] = window_kv[..., : self.dim]
             state.prev_gate[slots] = window_gate[..., : self.dim]
-        block_ids = step.block_tables[closing].gather(1, (entry_ids * m // BLOCK_SIZE).unsqueeze(1)).squeeze(1)
-        state.entries[block_ids, entry_ids % state.entries_per_block] = entries
-
-    @staticmethod
-    def _write_entries(
-        state: CompressorState, block_table: torch.Tensor, entry_ids: torch.Tensor, entries: torch.Tensor
-    ) -> None:
-        per_block = state.entries_per_block
-        state.entries[block_table[entry_ids // per_block], entry_ids % per_block] = entries
+        block_ids = step.block_tables[closing].gather(1, state.block_index(entry_ids).unsqueeze(1)).squeeze(1)
+        state.store(block_ids, entry_ids, entries)
 
 
 def gather_entries(state: CompressorState, block_table: torch.Tensor, count: int) -> torch.Tensor:
@@ -291,20 +284,20 @@ class Attention(nn.Module):
 
         compressor = cache.compressors.get(self.layer_idx)
         indexer = cache.indexers.get(self.layer_idx)
+        # token-wise projections for every sequence at once; the per-sequence state updates follow
+        compressed = indexed = index_queries = None
+        if self.compressor is not None:
+            compressed = self.compressor.project(x, step.positions)
+            if indexer is not None:
+                indexed = self.compressor.indexer.project(x, step.positions)
+                index_queries = self.compressor.indexer.queries(q_residual, *step.rope["compress"])
         if step.is_decode:
-            if self.compressor is not None:
-                self.compressor.update_decode(x, step, compressor)
-                if indexer is not None:
-                    self.compressor.indexer.update_decode(x, step, indexer)
-            out = self._decode(q, kv, x, q_residual, step, cache)
+            if compressed is not None:
+                self.compressor.update_decode(*compressed, step, compressor)
+            if indexed is not None:
+                self.compressor.indexer.update_decode(*indexed, step, indexer)
+            out = self._decode(q, kv, x, index_queries, step, cache)
         else:
-            # token-wise projections for every chunk at once; the per-sequence work goes chunk by chunk
-            compressed = indexed = index_queries = None
-            if self.compressor is not None:
-                compressed = self.compressor.project(x, step.positions)
-                if indexer is not None:
-                    indexed = self.compressor.indexer.project(x, step.positions)
-                    index_queries = self.compressor.indexer.queries(q_residual, cos, sin)
             outs, begin = [], 0
             for s in step.slices:
                 chunk = slice(begin, end := begin + s.length)
@@ -373,7 +366,7 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [B, H, d]
         kv: torch.Tensor,  # [B, d]
         x: torch.Tensor,
-        q_residual: torch.Tensor,
+        index_queries: torch.Tensor | None,  # [B, index heads, index dim] on CSA layers
         step: StepInput,
         cache: StateCache,
     ) -> torch.Tensor:
@@ -396,8 +389,7 @@ class Attention(nn.Module):
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
                 index_keys = cache.indexers[self.layer_idx].entries[step.block_tables].flatten(1, 2)
-                iq = indexer.queries(q_residual, *step.rope["compress"])
-                scores = indexer.scores(iq, index_keys, x).masked_fill(~visible, NEG_INF)
+                scores = indexer.scores(index_queries, index_keys, x).masked_fill(~visible, NEG_INF)
                 top = indexer.select(scores, min(indexer.topk, all_entries.shape[1]))  # [B, k]
                 visible = visible.gather(1, top)
                 all_entries = all_entries.gather(1, top.unsqueeze(-1).expand(-1, -1, all_entries.shape[-1]))

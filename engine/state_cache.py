@@ -79,6 +79,14 @@ class CompressorState:
     def entries_per_block(self) -> int:
         return BLOCK_SIZE // self.rate
 
+    def block_index(self, entry_ids: torch.Tensor) -> torch.Tensor:
+        """Which of a sequence's blocks (position in its block table) holds each entry."""
+        return entry_ids // self.entries_per_block
+
+    def store(self, block_ids: torch.Tensor, entry_ids: torch.Tensor, entries: torch.Tensor) -> None:
+        """Write entries [n, dim]; block_ids are the physical blocks holding them."""
+        self.entries[block_ids, entry_ids % self.entries_per_block] = entries
+
 
 def _compressor_shapes(config: ModelConfig) -> list[tuple[int, str, int, int, bool]]:
     """(layer, role, rate, dim, overlap) for every compressor in the model, in block-row order."""
