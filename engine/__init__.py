@@ -3,6 +3,7 @@
 from engine.errors import EngineError, InvalidRequestError, UnknownRequestError, UnsupportedCheckpointError
 from engine.llm_engine import LLMEngine
 from engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from engine.state_transfer import SnapshotError, StateSnapshot
 
 __all__ = [
     "CompletionOutput",
@@ -11,6 +12,8 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "SnapshotError",
+    "StateSnapshot",
     "UnknownRequestError",
     "UnsupportedCheckpointError",
 ]

@@ -18,6 +18,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from engine.state_cache import StateCache
+from engine.state_transfer import SnapshotError, StateSnapshot, layout_id
 
 
 class LLMEngine:
@@ -58,6 +59,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random()
+        self.layout = layout_id(self.config, self.dtype)
 
     @classmethod
     def from_pretrained(
@@ -93,6 +95,71 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self._aborted.append(RequestOutput(request_id, [], [], True, "abort", len(seq.prompt_token_ids)))
+
+    # -- state hand-over ----------------------------------------------------------------------
+
+    def export_state(self, request_id: str) -> StateSnapshot:
+        """A copy of a running request's state: what another engine needs to continue it."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"no request {request_id!r} (finished, aborted or never added)")
+        if seq.slot is None or seq.num_computed == 0:
+            raise InvalidRequestError(f"request {request_id!r} has no computed state yet")
+        n_blocks = self.cache.blocks_needed(seq.num_computed) if self.cache.uses_blocks else 0
+        return StateSnapshot(
+            layout=self.layout,
+            token_ids=seq.token_ids,
+            prompt_len=len(seq.prompt_token_ids),
+            num_computed=seq.num_computed,
+            seed=seq.seed,
+            blocks=self.cache.blocks[seq.block_table[:n_blocks]].clone(),
+            slot=self.cache.read_slot(seq.slot),
+        )
+
+    def import_state(self, request_id: str, snapshot: StateSnapshot, sampling_params: SamplingParams) -> bool:
+        """Continue a request from another engine's snapshot; the next step decodes it.
+
+        Returns True if the state was loaded, False if there was no room for it now and the
+        request was queued to be recomputed from its tokens instead (same tokens, more work).
+        Tokens generated before the hand-over count towards max_tokens; their logprobs stay
+        with the engine that produced them.
+        """
+        if snapshot.layout != self.layout:
+            raise SnapshotError(f"snapshot layout {snapshot.layout} is not this engine's ({self.layout})")
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        tokens = self._validate_tokens(snapshot.token_ids)
+        prompt, outputs = tokens[: snapshot.prompt_len], tokens[snapshot.prompt_len :]
+        if not prompt or not 0 < snapshot.num_computed <= len(tokens):
+            raise SnapshotError(
+                f"inconsistent snapshot: {len(tokens)} tokens, prompt {snapshot.prompt_len}, "
+                f"computed {snapshot.num_computed}"
+            )
+        n_blocks = self.cache.blocks_needed(snapshot.num_computed) if self.cache.uses_blocks else 0
+        if tuple(snapshot.blocks.shape) != (n_blocks, self.cache.layout.block_numel):
+            raise SnapshotError(f"snapshot blocks {tuple(snapshot.blocks.shape)}, expected {n_blocks} rows")
+        shapes = {name: tuple(t.shape) for name, t in snapshot.slot.items()}
+        if shapes != self.cache.slot_shapes():
+            raise SnapshotError("snapshot slot state does not match this engine's layout")
+        if len(outputs) >= sampling_params.max_tokens:
+            raise InvalidRequestError(f"request {request_id!r} already has {len(outputs)} of its max_tokens")
+        if len(prompt) + sampling_params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt + max_tokens exceeds the model's context of {self.max_model_len}")
+        seq = Sequence(request_id, prompt, sampling_params, seed=snapshot.seed, arrival=next(self._arrivals))
+        seq.output_token_ids = outputs
+        loaded = self.cache.num_free_slots > 0 and n_blocks <= self.cache.block_allocator.num_free
+        if loaded:
+            seq.slot = self.cache.allocate_slot()
+            seq.block_table = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
+            if n_blocks:
+                self.cache.blocks[seq.block_table] = snapshot.blocks.to(self.cache.blocks.device)
+            self.cache.write_slot(seq.slot, {k: v.to(self.device) for k, v in snapshot.slot.items()})
+            seq.num_computed = snapshot.num_computed
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.add(seq)
+        self.seqs[request_id] = seq
+        return loaded
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work

@@ -35,6 +35,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose slot and blocks are already set up (its state was imported)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

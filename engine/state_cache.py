@@ -196,6 +196,30 @@ class StateCache:
     def release_slot(self, slot: int) -> None:
         self._free_slots.append(slot)
 
+    def _slot_tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-slot pool by a stable name; index [slot] selects one sequence's part."""
+        pools = {"window": self.window.transpose(0, 1)}  # [max_seqs, layers, W, head_dim]
+        for role, states in (("compressor", self.compressors), ("indexer", self.indexers)):
+            for layer, state in states.items():
+                pools[f"{layer}.{role}.pending_kv"] = state.pending_kv
+                pools[f"{layer}.{role}.pending_gate"] = state.pending_gate
+                if state.overlap:
+                    pools[f"{layer}.{role}.prev_kv"] = state.prev_kv
+                    pools[f"{layer}.{role}.prev_gate"] = state.prev_gate
+        return pools
+
+    def slot_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(pool.shape[1:]) for name, pool in self._slot_tensors().items()}
+
+    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
+        """A copy of one sequence's slot state (window rings, compressors' open windows)."""
+        return {name: pool[slot].clone() for name, pool in self._slot_tensors().items()}
+
+    def write_slot(self, slot: int, values: dict[str, torch.Tensor]) -> None:
+        """Set one sequence's slot state; `values` must have exactly `slot_shapes()`."""
+        for name, pool in self._slot_tensors().items():
+            pool[slot] = values[name]
+
     @staticmethod
     def blocks_needed(num_tokens: int) -> int:
         return -(-num_tokens // BLOCK_SIZE)
