@@ -1,0 +1,1 @@
+"""Contracts shared by every service: settings, topics, message envelopes and the bus."""

@@ -1,0 +1,243 @@
+"""The message bus: Apache Kafka in production, an in-process stand-in for the embedded mode.
+
+Both give the guarantees the services are written against, and the same contract tests run
+on both (tests/test_bus.py):
+
+* a topic has partitions; records with the same key go to the same partition, in order;
+* consumers in a group share a topic's partitions; every group sees every record;
+* delivery is at-least-once: a consumer commits after it has acted on what it polled
+  (typically after producing downstream), and records polled but not committed are
+  delivered again to whichever consumer of the group owns the partition next;
+* `produce` returns once the record is stored (acks=all on Kafka), headers included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+Headers = dict[str, bytes]
+
+
+@dataclass(frozen=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: str
+    value: bytes
+    headers: Headers = field(default_factory=dict)
+
+
+class Consumer(Protocol):
+    def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]: ...
+
+    def commit(self) -> None:
+        """Mark everything returned by poll so far as done for this consumer's group."""
+
+    def close(self) -> None: ...
+
+
+class Bus(Protocol):
+    def create_topics(self, names: Iterable[str], partitions: int) -> None: ...
+
+    def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None: ...
+
+    def consumer(self, topics: Iterable[str], group: str) -> Consumer: ...
+
+    def close(self) -> None: ...
+
+
+def partition_for(key: str, partitions: int) -> int:
+    return zlib.crc32(key.encode()) % partitions
+
+
+# -- in-process ---------------------------------------------------------------------------------
+
+
+class MemoryBus:
+    """Kafka's delivery model inside one process, for the embedded mode and fast tests."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._logs: dict[str, list[list[Record]]] = {}
+        self._committed: dict[tuple[str, str, int], int] = {}  # (group, topic, partition) -> next offset
+        self._members: dict[str, list[MemoryConsumer]] = {}
+
+    def create_topics(self, names: Iterable[str], partitions: int) -> None:
+        with self._lock:
+            for name in names:
+                self._logs.setdefault(name, [[] for _ in range(partitions)])
+
+    def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None:
+        with self._lock:
+            if topic not in self._logs:
+                raise KeyError(f"unknown topic {topic!r} (create it first)")
+            log = self._logs[topic]
+            part = partition_for(key, len(log))
+            log[part].append(Record(topic, part, len(log[part]), key, value, dict(headers or {})))
+            self._lock.notify_all()
+
+    def consumer(self, topics: Iterable[str], group: str) -> MemoryConsumer:
+        with self._lock:
+            topics = list(topics)
+            missing = [t for t in topics if t not in self._logs]
+            if missing:
+                raise KeyError(f"unknown topics {missing} (create them first)")
+            member = MemoryConsumer(self, topics, group)
+            self._members.setdefault(group, []).append(member)
+            self._rebalance(group)
+            return member
+
+    def close(self) -> None:
+        with self._lock:
+            for members in self._members.values():
+                for member in list(members):
+                    member.closed = True
+            self._members.clear()
+            self._lock.notify_all()
+
+    def _rebalance(self, group: str) -> None:
+        """Deal the group's partitions round-robin to its members; each restarts at the committed offset."""
+        members = self._members.get(group, [])
+        for member in members:
+            member.positions = {}
+        pairs = sorted({(t, p) for m in members for t in m.topics for p in range(len(self._logs[t]))})
+        for i, (topic, part) in enumerate(pairs):
+            owner = members[i % len(members)]
+            if topic in owner.topics:
+                owner.positions[(topic, part)] = self._committed.get((group, topic, part), 0)
+
+
+class MemoryConsumer:
+    def __init__(self, bus: MemoryBus, topics: list[str], group: str):
+        self.bus, self.topics, self.group = bus, topics, group
+        self.positions: dict[tuple[str, int], int] = {}
+        self.closed = False
+
+    def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
+        deadline = time.monotonic() + timeout
+        with self.bus._lock:
+            while not self.closed:
+                records = []
+                for (topic, part), position in self.positions.items():
+                    log = self.bus._logs[topic][part]
+                    taken = log[position : position + max_records - len(records)]
+                    records.extend(taken)
+                    self.positions[(topic, part)] = position + len(taken)
+                    if len(records) >= max_records:
+                        break
+                if records:
+                    return records
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self.bus._lock.wait(remaining)
+            return []
+
+    def commit(self) -> None:
+        with self.bus._lock:
+            for (topic, part), position in self.positions.items():
+                self.bus._committed[(self.group, topic, part)] = position
+
+    def close(self) -> None:
+        with self.bus._lock:
+            if self.closed:
+                return
+            self.closed = True
+            members = self.bus._members.get(self.group, [])
+            if self in members:
+                members.remove(self)
+                self.bus._rebalance(self.group)
+            self.bus._lock.notify_all()
+
+
+# -- Apache Kafka -------------------------------------------------------------------------------
+
+
+class KafkaBus:
+    """kafka-python: an idempotent acks=all producer, consumer groups with manual commits."""
+
+    def __init__(self, bootstrap: str, client_id: str = "deepmesh"):
+        from kafka import KafkaProducer
+
+        self.bootstrap = bootstrap
+        self.client_id = client_id
+        self._producer = KafkaProducer(
+            bootstrap_servers=bootstrap,
+            client_id=client_id,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=1,
+            request_timeout_ms=30_000,
+        )
+
+    def create_topics(self, names: Iterable[str], partitions: int) -> None:
+        from kafka.admin import KafkaAdminClient, NewTopic
+        from kafka.errors import TopicAlreadyExistsError
+
+        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-admin")
+        try:
+            existing = set(admin.list_topics())
+            wanted = [NewTopic(n, num_partitions=partitions, replication_factor=1) for n in names if n not in existing]
+            if wanted:
+                with contextlib.suppress(TopicAlreadyExistsError):  # created concurrently by another replica
+                    admin.create_topics(wanted)
+        finally:
+            admin.close()
+
+    def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None:
+        future = self._producer.send(
+            topic, key=key.encode(), value=value, headers=[(k, v) for k, v in (headers or {}).items()]
+        )
+        future.get(timeout=30)
+
+    def consumer(self, topics: Iterable[str], group: str) -> KafkaConsumerAdapter:
+        return KafkaConsumerAdapter(self.bootstrap, list(topics), group, self.client_id)
+
+    def close(self) -> None:
+        self._producer.close(timeout=10)
+
+
+class KafkaConsumerAdapter:
+    def __init__(self, bootstrap: str, topics: list[str], group: str, client_id: str):
+        from kafka import KafkaConsumer
+
+        self._consumer = KafkaConsumer(
+            *topics,
+            bootstrap_servers=bootstrap,
+            group_id=group,
+            client_id=client_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=10_000,
+            heartbeat_interval_ms=1_000,
+        )
+
+    def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
+        batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
+        records = []
+        for messages in batches.values():
+            for m in messages:
+                headers = {k: v for k, v in (m.headers or [])}
+                records.append(Record(m.topic, m.partition, m.offset, m.key.decode(), m.value, headers))
+        return records
+
+    def commit(self) -> None:
+        self._consumer.commit()
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
+
+
+def make_bus(kind: str, kafka_bootstrap: str = "") -> Bus:
+    if kind == "memory":
+        return MemoryBus()
+    if kind == "kafka":
+        return KafkaBus(kafka_bootstrap)
+    raise ValueError(f"unknown bus {kind!r} (memory or kafka)")

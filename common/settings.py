@@ -1,0 +1,18 @@
+"""Configuration from the environment (prefix DEEPMESH_), e.g. DEEPMESH_KAFKA_BOOTSTRAP."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DEEPMESH_", extra="ignore")
+
+    bus: Literal["memory", "kafka"] = "memory"
+    kafka_bootstrap: str = "127.0.0.1:19092"
+    topic_prefix: str = "deepmesh."
+    topic_partitions: int = 4
+    database_url: str = "sqlite:///.cache/deepmesh.db"
+    redis_url: str = "redis://127.0.0.1:16379/0"

@@ -1,0 +1,107 @@
+"""The bus contract, run against the in-process bus and a real Apache Kafka broker."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from common.bus import Bus, KafkaBus, MemoryBus, Record
+from tests.infra import require_service
+
+
+@pytest.fixture(params=["memory", "kafka"])
+def bus(request):
+    if request.param == "memory":
+        instance: Bus = MemoryBus()
+    else:
+        instance = KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
+    yield instance
+    instance.close()
+
+
+def fresh(bus: Bus, partitions: int = 3) -> str:
+    name = f"test.{uuid.uuid4().hex[:12]}"
+    bus.create_topics([name], partitions)
+    return name
+
+
+def poll_until(consumer, count: int, timeout: float = 30.0) -> list[Record]:
+    records: list[Record] = []
+    deadline = time.monotonic() + timeout
+    while len(records) < count and time.monotonic() < deadline:
+        records.extend(consumer.poll(timeout=0.5))
+    return records
+
+
+def test_round_trip_keeps_headers_and_per_key_order(bus):
+    topic = fresh(bus)
+    for i in range(30):
+        bus.produce(topic, f"job-{i % 5}", f"{i}".encode(), {"traceparent": f"00-{i:032x}-{i:016x}-01".encode()})
+    consumer = bus.consumer([topic], group=f"g-{uuid.uuid4().hex[:8]}")
+    records = poll_until(consumer, 30)
+    consumer.close()
+    assert len(records) == 30
+    for key in (f"job-{k}" for k in range(5)):
+        values = [int(r.value) for r in records if r.key == key]
+        assert values == sorted(values) and len(values) == 6
+        assert len({r.partition for r in records if r.key == key}) == 1
+    first = next(r for r in records if r.value == b"0")
+    assert first.headers["traceparent"] == b"00-" + b"0" * 32 + b"-" + b"0" * 16 + b"-01"
+
+
+def test_every_group_sees_every_record(bus):
+    topic = fresh(bus)
+    for i in range(10):
+        bus.produce(topic, f"k{i}", b"x")
+    a = bus.consumer([topic], group=f"a-{uuid.uuid4().hex[:8]}")
+    b = bus.consumer([topic], group=f"b-{uuid.uuid4().hex[:8]}")
+    assert len(poll_until(a, 10)) == 10
+    assert len(poll_until(b, 10)) == 10
+    a.close()
+    b.close()
+
+
+def test_uncommitted_records_are_delivered_again(bus):
+    topic = fresh(bus, partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    for i in range(6):
+        bus.produce(topic, "job", f"{i}".encode())
+    first = bus.consumer([topic], group)
+    got = poll_until(first, 6)
+    assert [r.value for r in got] == [b"0", b"1", b"2", b"3", b"4", b"5"]
+    first.commit()  # all six done
+    for i in range(6, 9):
+        bus.produce(topic, "job", f"{i}".encode())
+    assert [r.value for r in poll_until(first, 3)] == [b"6", b"7", b"8"]
+    first.close()  # crashed before committing 6..8
+
+    second = bus.consumer([topic], group)
+    again = poll_until(second, 3)
+    assert [r.value for r in again] == [b"6", b"7", b"8"]
+    second.commit()
+    second.close()
+    third = bus.consumer([topic], group)
+    assert third.poll(timeout=2.0) == []
+    third.close()
+
+
+def test_memory_bus_refuses_unknown_topics():
+    bus = MemoryBus()
+    with pytest.raises(KeyError, match="create it first"):
+        bus.produce("nope", "k", b"v")
+    with pytest.raises(KeyError, match="create them first"):
+        bus.consumer(["nope"], "g")
+
+
+def test_memory_bus_shares_partitions_within_a_group():
+    bus = MemoryBus()
+    bus.create_topics(["t"], 4)
+    a, b = bus.consumer(["t"], "g"), bus.consumer(["t"], "g")
+    for i in range(40):
+        bus.produce("t", f"job-{i}", b"x")
+    got_a, got_b = a.poll(0.1), b.poll(0.1)
+    assert got_a and got_b
+    assert len(got_a) + len(got_b) == 40
+    assert not {(r.partition, r.offset) for r in got_a} & {(r.partition, r.offset) for r in got_b}

@@ -1,0 +1,1 @@
+"""Input and output side of the mesh: protocol requests <-> token ids (deepseek-recipe)."""
