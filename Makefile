@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny
 
-.PHONY: run test lint bench install clean
+.PHONY: run test lint bench install stack-down clean
 
 install: $(INSTALLED)
 
@@ -29,11 +29,16 @@ lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The integration tests run against real Apache Kafka, PostgreSQL and Redis on loopback, started
+# by scripts/stack (left running, so the next run starts in seconds; `make stack-down` stops them).
 test: lint
-	$(BIN)/pytest
+	eval "$$(scripts/stack up)" && DEEPMESH_REQUIRE_INFRA=1 $(BIN)/pytest
+
+stack-down:
+	scripts/stack down
 
 bench: $(INSTALLED)
 	$(BIN)/python benchmarks/engine_vs_transformers.py
 
-clean:
+clean: stack-down
 	rm -rf $(VENV) .cache
