@@ -14,6 +14,7 @@ on both (tests/test_bus.py):
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import zlib
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 Headers = dict[str, bytes]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,9 @@ class Record:
 class Consumer(Protocol):
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]: ...
 
-    def commit(self) -> None:
-        """Mark everything returned by poll so far as done for this consumer's group."""
+    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
+        """Mark records done for this consumer's group: everything polled so far, or, with
+        `offsets`, each (topic, partition) up to (not including) the given offset."""
 
     def close(self) -> None: ...
 
@@ -140,10 +143,11 @@ class MemoryConsumer:
                 self.bus._lock.wait(remaining)
             return []
 
-    def commit(self) -> None:
+    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
         with self.bus._lock:
-            for (topic, part), position in self.positions.items():
-                self.bus._committed[(self.group, topic, part)] = position
+            for (topic, part), position in (offsets if offsets is not None else self.positions).items():
+                if (topic, part) in self.positions:  # only partitions this consumer still owns
+                    self.bus._committed[(self.group, topic, part)] = position
 
     def close(self) -> None:
         with self.bus._lock:
@@ -228,8 +232,26 @@ class KafkaConsumerAdapter:
                 records.append(Record(m.topic, m.partition, m.offset, m.key.decode(), m.value, headers))
         return records
 
-    def commit(self) -> None:
-        self._consumer.commit()
+    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
+        from kafka.errors import KafkaError
+        from kafka.structs import OffsetAndMetadata, TopicPartition
+
+        owned = self._consumer.assignment()
+        wanted = None
+        if offsets is not None:
+            wanted = {
+                TopicPartition(topic, part): OffsetAndMetadata(offset, "", -1)
+                for (topic, part), offset in offsets.items()
+                if TopicPartition(topic, part) in owned
+            }
+            if not wanted:
+                return
+        try:
+            self._consumer.commit(wanted)
+        except KafkaError as err:
+            # a rebalance or a broker hiccup: the next commit carries the same offsets, and a
+            # partition that moved is replayed by its new owner from the last committed offset
+            log.warning("offset commit failed, retried on the next one: %r", err)
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)

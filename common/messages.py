@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -71,3 +71,98 @@ class DeadLetter(BaseModel):
             reason=reason,
             consumer_group=consumer_group,
         )
+
+
+def payload_of(envelope: Envelope, model: type[BaseModel]):
+    """The envelope's payload as `model`, or BadMessage saying why it is not one."""
+    try:
+        return model.model_validate(envelope.payload)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise BadMessage(f"bad {envelope.type} payload: {problems}") from err
+
+
+# -- payloads, one per topic (see README "Topics and messages") --------------------------------
+
+Endpoint = Literal["chat.completions", "responses", "messages"]
+
+
+class RequestPayload(BaseModel):
+    """`requests`: an accepted API request, as the client sent it."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+
+
+class Sampling(BaseModel):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+    seed: int | None = None
+
+
+class PrefillPayload(BaseModel):
+    """`prefill`: a tokenized request, ready for the engine."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: Sampling
+
+
+class KVHandle(BaseModel):
+    """Names state held by the cache service: Kafka carries this, never the state itself."""
+
+    key: str
+    size: int
+    checksum: str  # sha256 of the stored bytes
+    layout: str  # engine state layout; a consumer refuses one it does not understand
+    num_tokens: int
+    lease_expires_at: float
+
+
+class DecodePayload(BaseModel):
+    """`decode`: a prefilled request, its first token, and where its state is."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    prompt_token_ids: list[int] = Field(min_length=1)
+    first_token: int
+    seed: int
+    sampling: Sampling
+    kv: KVHandle | None = None  # None or unusable: decode recomputes from the tokens
+    cached_tokens: int = 0
+
+
+class JobStart(BaseModel):
+    """What the output side needs to rebuild a job's response from scratch."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+class TokensPayload(BaseModel):
+    """`tokens`: generated token ids of one job; seq 0 carries `start`."""
+
+    start: JobStart | None = None
+    token_ids: list[int] = Field(default_factory=list)
+    finished: bool = False
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class StreamEvent(BaseModel):
+    name: str | None  # SSE event name; None for an unnamed data event
+    data: str  # JSON
+
+
+class ResultPayload(BaseModel):
+    """`results`: protocol events of one job, in order by seq; the last one has done=True and the
+    complete response body (or the error status and body)."""
+
+    events: list[StreamEvent] = Field(default_factory=list)
+    done: bool = False
+    status: int = 200
+    body: dict[str, Any] | None = None
+    done_data: str | None = None  # the protocol's final SSE data (Chat Completions' [DONE])

@@ -126,13 +126,9 @@ class LLMEngine:
         """
         if snapshot.layout != self.layout:
             raise SnapshotError(f"snapshot layout {snapshot.layout} is not this engine's ({self.layout})")
-        if request_id in self.seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        tokens = self._validate_tokens(snapshot.token_ids)
-        prompt, outputs = tokens[: snapshot.prompt_len], tokens[snapshot.prompt_len :]
-        if not prompt or not 0 < snapshot.num_computed <= len(tokens):
+        if not (snapshot.prompt_len > 0 and 0 < snapshot.num_computed <= len(snapshot.token_ids)):
             raise SnapshotError(
-                f"inconsistent snapshot: {len(tokens)} tokens, prompt {snapshot.prompt_len}, "
+                f"inconsistent snapshot: {len(snapshot.token_ids)} tokens, prompt {snapshot.prompt_len}, "
                 f"computed {snapshot.num_computed}"
             )
         n_blocks = self.cache.blocks_needed(snapshot.num_computed) if self.cache.uses_blocks else 0
@@ -141,25 +137,57 @@ class LLMEngine:
         shapes = {name: tuple(t.shape) for name, t in snapshot.slot.items()}
         if shapes != self.cache.slot_shapes():
             raise SnapshotError("snapshot slot state does not match this engine's layout")
+        prompt, outputs = snapshot.token_ids[: snapshot.prompt_len], snapshot.token_ids[snapshot.prompt_len :]
+        seq = self._resumed_sequence(request_id, prompt, outputs, sampling_params, snapshot.seed)
+        if self.cache.num_free_slots == 0 or n_blocks > self.cache.block_allocator.num_free:
+            self.scheduler.add(seq)  # no room now: recompute it from its tokens when there is
+            return False
+        seq.slot = self.cache.allocate_slot()
+        seq.block_table = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
+        if n_blocks:
+            self.cache.blocks[seq.block_table] = snapshot.blocks.to(self.cache.blocks.device)
+        self.cache.write_slot(seq.slot, {k: v.to(self.device) for k, v in snapshot.slot.items()})
+        seq.num_computed = snapshot.num_computed
+        self.scheduler.add_running(seq)
+        return True
+
+    def resume(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        output_token_ids: SequenceOf[int],
+        sampling_params: SamplingParams,
+        seed: int,
+    ) -> None:
+        """Continue a request whose state is not at hand, by recomputing it from its tokens.
+
+        Gives the same tokens as if it had never stopped: the state is a function of the
+        tokens, and sampling draws from (seed, position).
+        """
+        seq = self._resumed_sequence(request_id, prompt_token_ids, output_token_ids, sampling_params, seed)
+        self.scheduler.add(seq)
+
+    def _resumed_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        output_token_ids: SequenceOf[int],
+        sampling_params: SamplingParams,
+        seed: int,
+    ) -> Sequence:
+        """A validated, registered sequence that already has some output tokens."""
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt = self._validate_tokens(prompt_token_ids)
+        outputs = self._validate_tokens(output_token_ids) if output_token_ids else []
         if len(outputs) >= sampling_params.max_tokens:
             raise InvalidRequestError(f"request {request_id!r} already has {len(outputs)} of its max_tokens")
         if len(prompt) + sampling_params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"prompt + max_tokens exceeds the model's context of {self.max_model_len}")
-        seq = Sequence(request_id, prompt, sampling_params, seed=snapshot.seed, arrival=next(self._arrivals))
+        seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
         seq.output_token_ids = outputs
-        loaded = self.cache.num_free_slots > 0 and n_blocks <= self.cache.block_allocator.num_free
-        if loaded:
-            seq.slot = self.cache.allocate_slot()
-            seq.block_table = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
-            if n_blocks:
-                self.cache.blocks[seq.block_table] = snapshot.blocks.to(self.cache.blocks.device)
-            self.cache.write_slot(seq.slot, {k: v.to(self.device) for k, v in snapshot.slot.items()})
-            seq.num_computed = snapshot.num_computed
-            self.scheduler.add_running(seq)
-        else:
-            self.scheduler.add(seq)
         self.seqs[request_id] = seq
-        return loaded
+        return seq
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work

@@ -1,0 +1,106 @@
+"""The loop every service runs: poll, handle, produce downstream, commit what is safe to commit.
+
+A job can stay in flight across many polls (decode holds it for its whole generation). A
+partition is therefore committed only up to the oldest record whose job is not finished:
+if the worker dies, whichever replica takes the partition over replays from there, and the
+(job id, type, seq) numbering of everything produced lets downstream drop what it has seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+
+from common.bus import Bus, Record
+from common.messages import BadMessage, DeadLetter
+from common.topics import Topic, topic_name
+
+log = logging.getLogger(__name__)
+
+
+class Watermarks:
+    """Commit positions per (topic, partition): up to the oldest record of a job still in flight."""
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[str, int], int] = {}
+        self._open: dict[tuple[str, int], dict[int, str]] = {}  # partition -> {offset: job id}
+
+    def seen(self, record: Record) -> None:
+        where = (record.topic, record.partition)
+        self._next[where] = max(self._next.get(where, 0), record.offset + 1)
+
+    def hold(self, record: Record, job_id: str) -> None:
+        """Keep this record uncommitted until `release(job_id)`."""
+        self.seen(record)
+        self._open.setdefault((record.topic, record.partition), {})[record.offset] = job_id
+
+    def release(self, job_id: str) -> None:
+        for held in self._open.values():
+            for offset in [o for o, j in held.items() if j == job_id]:
+                del held[offset]
+
+    def offsets(self) -> dict[tuple[str, int], int]:
+        return {where: min(self._open.get(where) or {nxt: None}) for where, nxt in self._next.items()}
+
+
+class Worker:
+    """Base for a service loop: subclasses set `topics` and `group` and implement `handle`."""
+
+    topics: tuple[Topic, ...] = ()
+    group = ""
+
+    def __init__(self, bus: Bus, topic_prefix: str):
+        self.bus = bus
+        self.prefix = topic_prefix
+        self.watermarks = Watermarks()
+        self._consumer = None
+
+    def topic(self, topic: Topic) -> str:
+        return topic_name(topic, self.prefix)
+
+    def handle(self, records: list[Record]) -> None:
+        raise NotImplementedError
+
+    def idle(self) -> None:
+        """Called after every poll: workers with jobs in flight do their work here."""
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def run_once(self, timeout: float = 0.1) -> None:
+        if self._consumer is None:
+            self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.group)
+        records = self._consumer.poll(timeout=0 if self.busy else timeout)
+        if records:
+            self.handle(records)
+        self.idle()
+        self._consumer.commit(self.watermarks.offsets())
+
+    def run(self, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    self.run_once()
+                except Exception:  # a worker outlives any one failure: at-least-once replays the work
+                    log.exception("%s worker: step failed; continuing", self.group)
+                    stop.wait(1.0)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+    def dead_letter(self, record: Record, error: BadMessage | Exception) -> None:
+        """Park a record no worker can use, with the reason, and move on."""
+        log.warning("dead-lettering %s/%s@%s: %s", record.topic, record.partition, record.offset, error)
+        letter = DeadLetter.of(record, str(error), self.group)
+        self.bus.produce(self.topic(Topic.DEAD_LETTER), record.key, letter.model_dump_json().encode())
+        self.watermarks.seen(record)
+
+    def produce_all(self, messages: Iterable[tuple[Topic, str, bytes]]) -> None:
+        for topic, key, value in messages:
+            self.bus.produce(self.topic(topic), key, value)

@@ -1,0 +1,1 @@
+"""Decode worker: imports prefilled state and decodes every job it holds with continuous batching."""

@@ -1,0 +1,65 @@
+"""Every worker of the mesh in one process, each on its own thread, over one bus.
+
+The embedded default (`deepmesh serve`) and the end-to-end tests use this; in distributed
+mode each worker runs in its own process (and any number of replicas) over Kafka.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from cache_svc.store import StateStore
+from common.bus import Bus
+from common.topics import all_topic_names
+from common.worker import Worker
+from decode_svc.worker import DecodeWorker
+from engine import LLMEngine
+from prefill_svc.worker import PrefillWorker
+from tokenizer_svc.protocol import Codec
+from tokenizer_svc.worker import TokenizerWorker
+
+
+class Mesh:
+    def __init__(
+        self,
+        model_path: str | Path,
+        bus: Bus,
+        state_dir: str | Path,
+        served_model: str = "deepmesh-tiny",
+        topic_prefix: str = "deepmesh.",
+        partitions: int = 4,
+        **engine_options,
+    ):
+        model_path = Path(model_path)
+        self.bus = bus
+        bus.create_topics(all_topic_names(topic_prefix), partitions)
+        prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
+        decode_engine = LLMEngine(prefill_engine.model, **engine_options)  # one copy of the weights
+        codec = Codec(
+            model_path / "tokenizer.json",
+            [served_model],
+            context_limit=prefill_engine.max_model_len,
+            stop_ids=set(prefill_engine.config.eos_token_ids),
+        )
+        self.store = StateStore(state_dir)
+        self.tokenizer = TokenizerWorker(bus, topic_prefix, codec)
+        self.prefill = PrefillWorker(bus, topic_prefix, prefill_engine, self.store)
+        self.decode = DecodeWorker(bus, topic_prefix, decode_engine, self.store)
+        self.workers: list[Worker] = [self.tokenizer, self.prefill, self.decode]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, workers: list[Worker] | None = None) -> Mesh:
+        """Run the workers (by default all of them), each on its own thread."""
+        for worker in workers if workers is not None else self.workers:
+            thread = threading.Thread(target=worker.run, args=(self._stop,), name=worker.group, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self._threads.clear()

@@ -1,0 +1,1 @@
+"""Prefill worker: prompt -> state in the cache service + first token -> decode."""

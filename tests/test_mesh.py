@@ -1,0 +1,200 @@
+"""The pipeline end to end through its topics: requests in, results out, on both buses.
+
+A client here is anyone who produces a documented request envelope to `requests` and reads
+`results`, as the architecture allows; the gateway is one such client.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+
+import pytest
+
+from common.bus import Bus, KafkaBus, MemoryBus
+from common.messages import DeadLetter, Envelope, RequestPayload, ResultPayload, decode
+from common.topics import Topic, topic_name
+from deepmesh.mesh import Mesh
+from engine import LLMEngine, SamplingParams
+from tests.infra import require_service
+from tokenizer_svc.protocol import Codec
+
+MODEL = "deepmesh-tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_preset(tmp_path_factory):
+    from engine.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("mesh") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module", params=["memory", "kafka"])
+def mesh(request, tiny_preset, tmp_path_factory):
+    if request.param == "memory":
+        bus: Bus = MemoryBus()
+    else:
+        bus = KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
+    prefix = f"test{uuid.uuid4().hex[:8]}."
+    running = Mesh(tiny_preset, bus, tmp_path_factory.mktemp("state"), topic_prefix=prefix, partitions=2).start()
+    running.prefix = prefix
+    yield running
+    running.stop()
+    bus.close()
+
+
+def submit(mesh, endpoint: str, body: dict) -> str:
+    job_id = uuid.uuid4().hex
+    envelope = Envelope(
+        type="request", job_id=job_id, payload=RequestPayload(endpoint=endpoint, body=body).model_dump()
+    )
+    mesh.bus.produce(topic_name(Topic.REQUESTS, mesh.prefix), job_id, envelope.encode())
+    return job_id
+
+
+def collect(mesh, job_ids: set[str], timeout: float = 120) -> dict[str, list[ResultPayload]]:
+    consumer = mesh.bus.consumer([topic_name(Topic.RESULTS, mesh.prefix)], group=f"client-{uuid.uuid4().hex[:8]}")
+    results: dict[str, list[ResultPayload]] = {}
+    seen: set[tuple[str, int]] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            for record in consumer.poll(timeout=0.5):
+                envelope = decode(record.value, "result")
+                if envelope.job_id in job_ids and (envelope.job_id, envelope.seq) not in seen:
+                    seen.add((envelope.job_id, envelope.seq))
+                    results.setdefault(envelope.job_id, []).append(ResultPayload.model_validate(envelope.payload))
+            if all(results.get(j) and results[j][-1].done for j in job_ids):
+                return results
+    finally:
+        consumer.close()
+    raise AssertionError(f"results incomplete after {timeout}s: { ({j: len(r) for j, r in results.items()}) }")
+
+
+def reference_body(tiny_preset, endpoint: str, body: dict) -> dict:
+    """The same request in one process: engine.generate, then the same output conversion."""
+    engine = LLMEngine.from_pretrained(tiny_preset)
+    codec = Codec(tiny_preset / "tokenizer.json", [MODEL], engine.max_model_len, set(engine.config.eos_token_ids))
+    prompt = codec.prompt(endpoint, body)
+    params = SamplingParams(max_tokens=prompt.max_tokens, temperature=prompt.temperature, top_p=prompt.top_p, seed=7)
+    tokens = engine.generate([prompt.token_ids], params)[0].token_ids
+    out = codec.output(endpoint, body, "ref")
+    out.start(len(prompt.token_ids))
+    out.tokens(tokens)
+    out.finish(engine.generate([prompt.token_ids], params)[0].finish_reason)
+    return out.body()
+
+
+BODIES = {
+    "chat.completions": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me about Kafka."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "seed": 7,
+    },
+    # thinking mode samples at temperature 1 (here with a seed); without it, 0 is greedy
+    "responses": {
+        "model": MODEL,
+        "input": "Tell me about Kafka.",
+        "max_output_tokens": 24,
+        "temperature": 0,
+        "reasoning": {"effort": "none"},
+    },
+    "messages": {
+        "model": MODEL,
+        "max_tokens": 24,
+        "temperature": 0,
+        "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": "Tell me about Kafka."}],
+    },
+}
+
+
+def test_all_three_protocols_complete_and_match_one_process(mesh, tiny_preset):
+    jobs = {submit(mesh, endpoint, body): endpoint for endpoint, body in BODIES.items()}
+    results = collect(mesh, set(jobs))
+    for job_id, endpoint in jobs.items():
+        final = results[job_id][-1]
+        assert final.status == 200 and final.done
+        events = [e for r in results[job_id] for e in r.events]
+        assert events, "a response streams events"
+        expected = reference_body(tiny_preset, endpoint, BODIES[endpoint])
+        if endpoint == "chat.completions":
+            assert final.body["choices"][0]["message"] == expected["choices"][0]["message"]
+            assert final.body["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"] == 24
+        elif endpoint == "messages":
+            assert final.body["content"] == expected["content"]
+        else:
+            texts = [[c.get("text") for c in item.get("content", [])] for item in final.body["output"]]
+            assert texts == [[c.get("text") for c in item.get("content", [])] for item in expected["output"]]
+    assert mesh.decode.loaded >= 3  # state really went through the cache, not recomputed
+
+
+def test_bad_requests_become_failed_results(mesh):
+    job_id = submit(
+        mesh, "chat.completions", {"model": "unknown-model", "messages": [{"role": "user", "content": "x"}]}
+    )
+    (result,) = collect(mesh, {job_id})[job_id]
+    assert result.done and result.status == 400
+    assert "unknown-model" in result.body["error"]["message"]
+
+
+def test_unparseable_records_go_to_the_dead_letter_topic(mesh):
+    mesh.bus.produce(topic_name(Topic.REQUESTS, mesh.prefix), "garbage-1", b"\x00 not an envelope")
+    consumer = mesh.bus.consumer([topic_name(Topic.DEAD_LETTER, mesh.prefix)], group=f"dlq-{uuid.uuid4().hex[:6]}")
+    letters = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not letters:
+        letters = [DeadLetter.model_validate_json(r.value) for r in consumer.poll(timeout=0.5) if r.key == "garbage-1"]
+    consumer.close()
+    assert letters and "not a deepmesh envelope" in letters[0].reason
+    assert base64.b64decode(letters[0].value_base64) == b"\x00 not an envelope"
+    # and the worker is still serving
+    job_id = submit(mesh, "chat.completions", BODIES["chat.completions"])
+    assert collect(mesh, {job_id})[job_id][-1].status == 200
+    json.dumps(letters[0].model_dump())
+
+
+@pytest.mark.parametrize("bus_kind", ["memory", "kafka"])
+def test_a_decode_worker_dying_mid_job_loses_and_repeats_nothing(bus_kind, tiny_preset, tmp_path):
+    from decode_svc.worker import DecodeWorker
+
+    bus = MemoryBus() if bus_kind == "memory" else KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
+    prefix = f"crash{uuid.uuid4().hex[:8]}."
+    mesh = Mesh(tiny_preset, bus, tmp_path / "state", topic_prefix=prefix, partitions=2)
+    mesh.prefix = prefix
+    mesh.start([mesh.tokenizer, mesh.prefill])
+    replacement = None
+    try:
+        body = {**BODIES["chat.completions"], "stream": True}
+        job_id = submit(mesh, "chat.completions", body)
+        doomed = mesh.decode
+        deadline = time.monotonic() + 60
+        while not (job_id in doomed.jobs and doomed.jobs[job_id].next_seq >= 8):
+            doomed.run_once()
+            assert time.monotonic() < deadline, "decode never got the job"
+        doomed._consumer.close()  # dies here: its job is neither finished nor committed
+
+        replacement = DecodeWorker(bus, prefix, LLMEngine(doomed.engine.model), mesh.store)
+        mesh.start([replacement])
+        results = collect(mesh, {job_id})[job_id]
+    finally:
+        mesh.stop()
+        bus.close()
+
+    chunks = [json.loads(e.data) for r in results for e in r.events]
+    streamed = "".join(
+        (c["choices"][0]["delta"].get("reasoning_content") or "") + (c["choices"][0]["delta"].get("content") or "")
+        for c in chunks
+        if c.get("choices")
+    )
+    message = results[-1].body["choices"][0]["message"]
+    assert streamed == (message["reasoning_content"] or "") + (message["content"] or "")
+    assert [r.events for r in results].count([]) == 0  # no empty or repeated result messages
+    expected = reference_body(tiny_preset, "chat.completions", body)
+    assert message == expected["choices"][0]["message"]
+    assert results[-1].body["usage"]["completion_tokens"] == 24
+    assert replacement.loaded == 1  # the survivor resumed from the cached prefill state
