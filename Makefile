@@ -22,8 +22,9 @@ $(INSTALLED): pyproject.toml $(BIN)/uv
 $(TINY_MODEL)/config.json: $(INSTALLED)
 	$(BIN)/deepmesh make-model $(TINY_MODEL) --preset tiny --seed 0
 
+# every service in one process on the embedded default (in-process bus, local state store)
 run: $(INSTALLED) $(TINY_MODEL)/config.json
-	$(BIN)/deepmesh generate --model $(TINY_MODEL) --prompt "DeepSeek-V4 on deepmesh:" --max-tokens 32
+	$(BIN)/deepmesh serve --model $(TINY_MODEL) --host 127.0.0.1 --port 8000
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

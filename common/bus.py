@@ -45,13 +45,18 @@ class Consumer(Protocol):
 
     def close(self) -> None: ...
 
+    def wait_assigned(self, timeout: float) -> None:
+        """Block until the group has given this consumer its partitions."""
+
 
 class Bus(Protocol):
     def create_topics(self, names: Iterable[str], partitions: int) -> None: ...
 
     def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None: ...
 
-    def consumer(self, topics: Iterable[str], group: str) -> Consumer: ...
+    def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> Consumer:
+        """A group member; a group with no committed offsets starts at the oldest record, or with
+        from_beginning=False at the next record produced."""
 
     def close(self) -> None: ...
 
@@ -86,12 +91,16 @@ class MemoryBus:
             log[part].append(Record(topic, part, len(log[part]), key, value, dict(headers or {})))
             self._lock.notify_all()
 
-    def consumer(self, topics: Iterable[str], group: str) -> MemoryConsumer:
+    def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> MemoryConsumer:
         with self._lock:
             topics = list(topics)
             missing = [t for t in topics if t not in self._logs]
             if missing:
                 raise KeyError(f"unknown topics {missing} (create them first)")
+            if not from_beginning:
+                for topic in topics:
+                    for part, log in enumerate(self._logs[topic]):
+                        self._committed.setdefault((group, topic, part), len(log))
             member = MemoryConsumer(self, topics, group)
             self._members.setdefault(group, []).append(member)
             self._rebalance(group)
@@ -149,6 +158,9 @@ class MemoryConsumer:
                 if (topic, part) in self.positions:  # only partitions this consumer still owns
                     self.bus._committed[(self.group, topic, part)] = position
 
+    def wait_assigned(self, timeout: float) -> None:
+        return  # partitions are dealt as soon as a member joins
+
     def close(self) -> None:
         with self.bus._lock:
             if self.closed:
@@ -201,15 +213,15 @@ class KafkaBus:
         )
         future.get(timeout=30)
 
-    def consumer(self, topics: Iterable[str], group: str) -> KafkaConsumerAdapter:
-        return KafkaConsumerAdapter(self.bootstrap, list(topics), group, self.client_id)
+    def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> KafkaConsumerAdapter:
+        return KafkaConsumerAdapter(self.bootstrap, list(topics), group, self.client_id, from_beginning)
 
     def close(self) -> None:
         self._producer.close(timeout=10)
 
 
 class KafkaConsumerAdapter:
-    def __init__(self, bootstrap: str, topics: list[str], group: str, client_id: str):
+    def __init__(self, bootstrap: str, topics: list[str], group: str, client_id: str, from_beginning: bool = True):
         from kafka import KafkaConsumer
 
         self._consumer = KafkaConsumer(
@@ -218,12 +230,16 @@ class KafkaConsumerAdapter:
             group_id=group,
             client_id=client_id,
             enable_auto_commit=False,
-            auto_offset_reset="earliest",
+            auto_offset_reset="earliest" if from_beginning else "latest",
             session_timeout_ms=10_000,
             heartbeat_interval_ms=1_000,
         )
+        self._pending: list[Record] = []
 
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
+        if self._pending:  # records polled while waiting for the assignment
+            records, self._pending = self._pending, []
+            return records
         batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
         records = []
         for messages in batches.values():
@@ -252,6 +268,13 @@ class KafkaConsumerAdapter:
             # a rebalance or a broker hiccup: the next commit carries the same offsets, and a
             # partition that moved is replayed by its new owner from the last committed offset
             log.warning("offset commit failed, retried on the next one: %r", err)
+
+    def wait_assigned(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._consumer.assignment():
+            if time.monotonic() > deadline:
+                raise TimeoutError("no partitions assigned")
+            self._pending.extend(self.poll(timeout=0.1))
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)

@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
     gen.set_defaults(run=_generate)
 
+    serve = commands.add_parser("serve", help="every service in one process: the embedded default")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", type=Path, default=None, help="checkpoint (default: a tiny model made on first use)")
+    serve.add_argument("--served-model-name", default="deepmesh-tiny")
+    serve.set_defaults(run=_serve)
+
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -46,6 +53,31 @@ def _make_model(args: argparse.Namespace) -> int:
 
     path = make_model(args.outdir, args.preset, args.seed)
     print(path)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from common.bus import MemoryBus
+    from deepmesh.mesh import Mesh
+    from engine.make_model import make_model
+    from gateway.app import create_app
+
+    model = args.model
+    if model is None:
+        model = Path(".cache/models/tiny")
+        if not (model / "config.json").is_file():
+            print(f"making a tiny random-weight model in {model}", file=sys.stderr)
+            make_model(model, "tiny", seed=0)
+    bus = MemoryBus()
+    mesh = Mesh(model, bus, Path(".cache/state"), served_model=args.served_model_name).start()
+    app = create_app(bus, "deepmesh.", [args.served_model_name])
+    print(f"deepmesh serving {args.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        mesh.stop()
     return 0
 
 

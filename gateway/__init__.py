@@ -1,0 +1,1 @@
+"""The HTTP gateway: OpenAI and Anthropic protocols in, jobs on Kafka, results back."""

@@ -1,0 +1,215 @@
+"""The HTTP front door: OpenAI Chat Completions and Responses, Anthropic Messages.
+
+A call becomes a job: the gateway produces the request to `requests` and waits for the job's
+messages on `results`, answering with the complete body or streaming the events as
+Server-Sent Events while they arrive. Protocol work (validation of the body, rendering,
+parsing the output) happens in the tokenizer service; the gateway only frames it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.bus import Bus
+from common.messages import Envelope, RequestPayload, ResultPayload, decode
+from common.topics import Topic, topic_name
+
+MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class _Watch:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    next_seq: int = 0
+
+
+@dataclass
+class ResultRouter:
+    """Reads `results` on a thread and hands each job's messages, in order and once, to its waiter."""
+
+    bus: Bus
+    topic: str
+    group: str = field(default_factory=lambda: f"gateway-{uuid.uuid4().hex[:12]}")
+    _watches: dict[str, _Watch] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="results-router", daemon=True)
+        self._thread.start()
+        if not self.ready.wait(timeout=60):
+            raise RuntimeError("could not subscribe to the results topic")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def watch(self, job_id: str) -> asyncio.Queue:
+        """Register interest before the request is produced, so no result can be missed."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._watches[job_id] = _Watch(asyncio.get_running_loop(), queue)
+        return queue
+
+    def forget(self, job_id: str) -> None:
+        with self._lock:
+            self._watches.pop(job_id, None)
+
+    def _run(self) -> None:
+        # only results produced from now on matter to this gateway
+        consumer = self.bus.consumer([self.topic], self.group, from_beginning=False)
+        try:
+            consumer.wait_assigned(timeout=60)
+            self.ready.set()
+            while not self._stop.is_set():
+                for record in consumer.poll(timeout=0.2):
+                    self._dispatch(record.value)
+                consumer.commit()
+        finally:
+            consumer.close()
+
+    def _dispatch(self, raw: bytes) -> None:
+        try:
+            envelope = decode(raw, "result")
+            result = ResultPayload.model_validate(envelope.payload)
+        except ValueError:
+            return  # not ours to judge: the topic is public, and producers own their records
+        with self._lock:
+            watch = self._watches.get(envelope.job_id)
+            if watch is None or envelope.seq != watch.next_seq:
+                return  # another gateway's job, or a replay of a message already delivered
+            watch.next_seq += 1
+        watch.loop.call_soon_threadsafe(watch.queue.put_nowait, result)
+
+
+def protocol_error(endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    """An error in the endpoint's own format: OpenAI's for chat and responses, Anthropic's for messages."""
+    if endpoint == "messages":
+        body = {"type": "error", "error": {"type": kind, "message": message}}
+    else:
+        body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def error_response(endpoint: str, result: ResultPayload) -> JSONResponse:
+    body = result.body or {}
+    if endpoint == "messages" and "type" not in body:  # the recipe reports errors in OpenAI's shape
+        error = body.get("error", {})
+        return protocol_error(endpoint, result.status, error.get("message", "error"), error.get("type", "api_error"))
+    return JSONResponse(body, status_code=result.status)
+
+
+def create_app(
+    bus: Bus,
+    topic_prefix: str,
+    served_models: list[str],
+    result_timeout: float = 600.0,
+) -> FastAPI:
+    router = ResultRouter(bus, topic_name(Topic.RESULTS, topic_prefix))
+    requests_topic = topic_name(Topic.REQUESTS, topic_prefix)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(router.start)
+        yield
+        await asyncio.to_thread(router.stop)
+
+    app = FastAPI(title="deepmesh", version="0.1.0", lifespan=lifespan)
+
+    async def serve(endpoint: str, request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return protocol_error(endpoint, 413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            return protocol_error(endpoint, 400, f"malformed JSON body: {err}")
+        if not isinstance(body, dict):
+            return protocol_error(endpoint, 400, "the request body must be a JSON object")
+        job_id = uuid.uuid4().hex
+        queue = router.watch(job_id)
+        message = Envelope(
+            type="request", job_id=job_id, payload=RequestPayload(endpoint=endpoint, body=body).model_dump()
+        )
+        try:
+            await asyncio.to_thread(bus.produce, requests_topic, job_id, message.encode())
+            first = await asyncio.wait_for(queue.get(), timeout=result_timeout)
+        except TimeoutError:
+            router.forget(job_id)
+            return protocol_error(endpoint, 504, "no result in time", "timeout_error")
+        if first.done and first.status != 200:
+            router.forget(job_id)
+            return error_response(endpoint, first)
+        if body.get("stream"):
+            return StreamingResponse(
+                sse(job_id, first, queue),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        result = first
+        try:
+            while not result.done:
+                result = await asyncio.wait_for(queue.get(), timeout=result_timeout)
+        except TimeoutError:
+            return protocol_error(endpoint, 504, "no result in time", "timeout_error")
+        finally:
+            router.forget(job_id)
+        return JSONResponse(result.body, status_code=result.status)
+
+    async def sse(job_id: str, result: ResultPayload, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+        """Each event as it arrives: `event:` when the protocol names it, then `data:`."""
+        try:
+            while True:
+                for event in result.events:
+                    name = f"event: {event.name}\n" if event.name else ""
+                    yield f"{name}data: {event.data}\n\n".encode()
+                if result.done:
+                    if result.done_data is not None:
+                        yield f"data: {result.done_data}\n\n".encode()
+                    return
+                result = await asyncio.wait_for(queue.get(), timeout=result_timeout)
+        finally:
+            router.forget(job_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve("chat.completions", request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve("responses", request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await serve("messages", request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "deepmesh"} for name in served_models],
+        }
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        ready = router.ready.is_set()
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    return app
