@@ -30,6 +30,7 @@ class DecodeWorker(Worker):
         self.engine = engine
         self.store = store
         self.jobs: dict[str, _Job] = {}
+        self.cancelled: set[str] = set()  # cancels that arrived before their job (bounded below)
         self.loaded = self.recomputed = 0
 
     @property
@@ -39,12 +40,19 @@ class DecodeWorker(Worker):
     def handle(self, records: list[Record]) -> None:
         for record in records:
             try:
-                envelope = decode(record.value, "decode")
+                envelope = decode(record.value)
+                if envelope.type == "cancel":
+                    self._cancel(envelope.job_id)
+                    self.watermarks.seen(record)
+                    continue
+                if envelope.type != "decode":
+                    raise BadMessage(f"envelope type {envelope.type!r} does not belong on the decode topic")
                 payload = payload_of(envelope, DecodePayload)
             except BadMessage as err:
                 self.dead_letter(record, err)
                 continue
-            if envelope.job_id in self.jobs:
+            if envelope.job_id in self.jobs or envelope.job_id in self.cancelled:
+                self.cancelled.discard(envelope.job_id)
                 self.watermarks.seen(record)
                 continue
             try:
@@ -74,6 +82,21 @@ class DecodeWorker(Worker):
             cached_tokens=payload.cached_tokens,
         )
         self._tokens(job_id, 0, TokensPayload(start=start, token_ids=[payload.first_token]))
+
+    def _cancel(self, job_id: str) -> None:
+        """Stop a job now and free its state; a cancel that comes first stops the job on arrival."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            self.cancelled.add(job_id)
+            if len(self.cancelled) > 100_000:
+                self.cancelled.clear()
+            return
+        self.engine.abort(job_id)
+        if job.payload.kv is not None:
+            self.store.delete(job.payload.kv.key)
+        tokens = TokensPayload(finished=True, finish_reason="abort")
+        self._tokens(job_id, job.next_seq, tokens)
+        self.watermarks.release(job_id)
 
     def _fetch(self, payload: DecodePayload) -> StateSnapshot | None:
         kv = payload.kv

@@ -60,9 +60,11 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from common.bus import MemoryBus
+    from common.settings import Settings
     from deepmesh.mesh import Mesh
     from engine.make_model import make_model
     from gateway.app import create_app
+    from gateway.jobs import JobStore
 
     model = args.model
     if model is None:
@@ -72,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
             make_model(model, "tiny", seed=0)
     bus = MemoryBus()
     mesh = Mesh(model, bus, Path(".cache/state"), served_model=args.served_model_name).start()
-    app = create_app(bus, "deepmesh.", [args.served_model_name])
+    app = create_app(bus, "deepmesh.", [args.served_model_name], JobStore(Settings().database_url))
     print(f"deepmesh serving {args.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

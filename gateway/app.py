@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from common.bus import Bus
 from common.messages import Envelope, RequestPayload, ResultPayload, decode
 from common.topics import Topic, topic_name
+from gateway.jobs import FINAL, JobStore
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -95,6 +96,45 @@ class ResultRouter:
         watch.loop.call_soon_threadsafe(watch.queue.put_nowait, result)
 
 
+@dataclass
+class JobRecorder:
+    """Stores the results of async jobs (status, events, outcome). One consumer group for all
+    gateway replicas, so each results message is stored once; storing is idempotent anyway."""
+
+    bus: Bus
+    topic: str
+    store: JobStore
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="job-recorder", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        consumer = self.bus.consumer([self.topic], "gateway-jobs")
+        try:
+            while not self._stop.is_set():
+                for record in consumer.poll(timeout=0.2):
+                    try:
+                        envelope = decode(record.value, "result")
+                        result = ResultPayload.model_validate(envelope.payload)
+                    except ValueError:
+                        continue
+                    events = [(e.name, e.data) for e in result.events]
+                    self.store.record(
+                        envelope.job_id, envelope.seq, events, result.done, result.status, result.body, result.done_data
+                    )
+                consumer.commit()
+        finally:
+            consumer.close()
+
+
 def protocol_error(endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An error in the endpoint's own format: OpenAI's for chat and responses, Anthropic's for messages."""
     if endpoint == "messages":
@@ -116,20 +156,26 @@ def create_app(
     bus: Bus,
     topic_prefix: str,
     served_models: list[str],
+    jobs: JobStore,
     result_timeout: float = 600.0,
 ) -> FastAPI:
     router = ResultRouter(bus, topic_name(Topic.RESULTS, topic_prefix))
+    recorder = JobRecorder(bus, topic_name(Topic.RESULTS, topic_prefix), jobs)
     requests_topic = topic_name(Topic.REQUESTS, topic_prefix)
+    decode_topic = topic_name(Topic.DECODE, topic_prefix)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(router.start)
+        recorder.start()
         yield
+        await asyncio.to_thread(recorder.stop)
         await asyncio.to_thread(router.stop)
 
     app = FastAPI(title="deepmesh", version="0.1.0", lifespan=lifespan)
 
-    async def serve(endpoint: str, request: Request) -> Response:
+    async def read_object(endpoint: str, request: Request) -> dict | Response:
+        """The JSON object in the request, or the protocol's error response."""
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             return protocol_error(endpoint, 413, f"request body larger than {MAX_BODY_BYTES} bytes")
@@ -139,13 +185,21 @@ def create_app(
             return protocol_error(endpoint, 400, f"malformed JSON body: {err}")
         if not isinstance(body, dict):
             return protocol_error(endpoint, 400, "the request body must be a JSON object")
+        return body
+
+    async def enqueue(job_id: str, endpoint: str, body: dict) -> None:
+        payload = RequestPayload(endpoint=endpoint, body=body).model_dump()
+        message = Envelope(type="request", job_id=job_id, payload=payload)
+        await asyncio.to_thread(bus.produce, requests_topic, job_id, message.encode())
+
+    async def serve(endpoint: str, request: Request) -> Response:
+        body = await read_object(endpoint, request)
+        if isinstance(body, Response):
+            return body
         job_id = uuid.uuid4().hex
         queue = router.watch(job_id)
-        message = Envelope(
-            type="request", job_id=job_id, payload=RequestPayload(endpoint=endpoint, body=body).model_dump()
-        )
         try:
-            await asyncio.to_thread(bus.produce, requests_topic, job_id, message.encode())
+            await enqueue(job_id, endpoint, body)
             first = await asyncio.wait_for(queue.get(), timeout=result_timeout)
         except TimeoutError:
             router.forget(job_id)
@@ -195,6 +249,61 @@ def create_app(
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await serve("messages", request)
+
+    @app.post("/v1/jobs", status_code=202)
+    async def submit_job(request: Request) -> Response:
+        envelope = await read_object("jobs", request)
+        if isinstance(envelope, Response):
+            return envelope
+        endpoint, body = envelope.get("endpoint"), envelope.get("body")
+        if endpoint not in ("chat.completions", "responses", "messages"):
+            return protocol_error("jobs", 400, "endpoint must be one of chat.completions, responses, messages")
+        if not isinstance(body, dict):
+            return protocol_error("jobs", 400, "body must be the JSON object of the request")
+        job_id = uuid.uuid4().hex
+        job = await asyncio.to_thread(jobs.create, job_id, endpoint, {**body, "stream": False})
+        await enqueue(job_id, endpoint, {**body, "stream": False})
+        return JSONResponse(job.to_api(), status_code=202)
+
+    @app.get("/v1/jobs/{job_id}")
+    async def get_job(job_id: str) -> Response:
+        job = await asyncio.to_thread(jobs.get, job_id)
+        if job is None:
+            return protocol_error("jobs", 404, f"no job {job_id}", "not_found_error")
+        return JSONResponse(job.to_api())
+
+    @app.delete("/v1/jobs/{job_id}")
+    async def cancel_job(job_id: str) -> Response:
+        job = await asyncio.to_thread(jobs.cancel, job_id)
+        if job is None:
+            return protocol_error("jobs", 404, f"no job {job_id}", "not_found_error")
+        if job.status == "cancelled":  # tell decode to stop and free the state, wherever the job is
+            cancel = Envelope(type="cancel", job_id=job_id)
+            await asyncio.to_thread(bus.produce, decode_topic, job_id, cancel.encode())
+        return JSONResponse(job.to_api())
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def job_events(job_id: str) -> Response:
+        if await asyncio.to_thread(jobs.get, job_id) is None:
+            return protocol_error("jobs", 404, f"no job {job_id}", "not_found_error")
+
+        async def replay() -> AsyncIterator[bytes]:
+            """Every event from the start, then new ones as they are stored, until the job ends."""
+            last = -1
+            while True:
+                job = await asyncio.to_thread(jobs.get, job_id)
+                for event in await asyncio.to_thread(jobs.events, job_id, last):
+                    name = f"event: {event.name}\n" if event.name else ""
+                    yield f"{name}data: {event.data}\n\n".encode()
+                    last = event.seq
+                if job.status in FINAL:
+                    if job.status == "succeeded" and job.done_data is not None:
+                        yield f"data: {job.done_data}\n\n".encode()
+                    yield f"event: job.{job.status}\ndata: {json.dumps(job.to_api())}\n\n".encode()
+                    return
+                await asyncio.sleep(0.1)
+
+        return StreamingResponse(replay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/models")
     async def models() -> dict:

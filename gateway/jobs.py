@@ -1,0 +1,143 @@
+"""Job state: every async job, its status, its result and the events it streamed (for replay).
+
+SQLAlchemy 2 over SQLite by default and PostgreSQL in production; the schema is owned by the
+Alembic migrations in gateway/migrations, applied at start-up.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, create_engine, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    endpoint: Mapped[str] = mapped_column(String(32))
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # queued|running|succeeded|failed|cancelled
+    created_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    done_data: Mapped[str | None] = mapped_column(Text, nullable=True)
+    next_result_seq: Mapped[int] = mapped_column(Integer, default=0)  # results messages below it are stored
+    event_count: Mapped[int] = mapped_column(Integer, default=0)
+
+    def to_api(self) -> dict[str, Any]:
+        succeeded = self.status == "succeeded"
+        return {
+            "id": self.id,
+            "object": "job",
+            "endpoint": self.endpoint,
+            "status": self.status,
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "result": self.result if succeeded else None,
+            "error": self.result if self.status == "failed" else None,
+            "usage": (self.result or {}).get("usage") if succeeded else None,
+        }
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    data: Mapped[str] = mapped_column(Text)
+
+
+def migrate(url: str) -> None:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", url)
+    command.upgrade(config, "head")
+
+
+class JobStore:
+    def __init__(self, url: str):
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        migrate(url)
+        self.engine = create_engine(url, pool_pre_ping=True)
+        self.session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def create(self, job_id: str, endpoint: str, body: dict[str, Any]) -> Job:
+        job = Job(
+            id=job_id,
+            endpoint=endpoint,
+            body=body,
+            status="queued",
+            created_at=time.time(),
+            next_result_seq=0,
+            event_count=0,
+        )
+        with self.session.begin() as s:
+            s.add(job)
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        with self.session() as s:
+            return s.get(Job, job_id)
+
+    def record(
+        self,
+        job_id: str,
+        first_seq: int,
+        events: list[tuple[str | None, str]],
+        done: bool,
+        status: int,
+        body,
+        done_data,
+    ) -> None:
+        """Store one results message of a job: its events and, when done, the outcome.
+
+        Idempotent: a replayed message (its first event already stored) changes nothing.
+        """
+        with self.session.begin() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is None or job.status in FINAL:
+                return
+            if events and s.get(JobEvent, (job_id, first_seq)) is not None:
+                return
+            for i, (name, data) in enumerate(events):
+                s.add(JobEvent(job_id=job_id, seq=first_seq + i, name=name, data=data))
+            now = time.time()
+            if job.status == "queued":
+                job.status, job.started_at = "running", now
+            if done:
+                job.status = "succeeded" if status == 200 else "failed"
+                job.finished_at, job.status_code, job.result, job.done_data = now, status, body, done_data
+            return True
+
+    def cancel(self, job_id: str) -> Job | None:
+        with self.session.begin() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is not None and job.status not in FINAL:
+                job.status, job.finished_at = "cancelled", time.time()
+            return job
+
+    def events(self, job_id: str, after: int = -1) -> list[JobEvent]:
+        with self.session() as s:
+            query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after).order_by(JobEvent.seq)
+            return list(s.scalars(query))
+
+    def close(self) -> None:
+        self.engine.dispose()
