@@ -16,3 +16,6 @@ class Settings(BaseSettings):
     topic_partitions: int = 4
     database_url: str = "sqlite:///.cache/deepmesh.db"
     redis_url: str = "redis://127.0.0.1:16379/0"
+    cache_url: str = "http://127.0.0.1:8100"
+    model: str = ".cache/models/tiny"
+    served_model_name: str = "deepmesh-tiny"

@@ -59,6 +59,11 @@ class Worker:
     def topic(self, topic: Topic) -> str:
         return topic_name(topic, self.prefix)
 
+    @property
+    def consumer_group(self) -> str:
+        """Group ids are namespaced like topics: two deployments on one broker never share a group."""
+        return f"{self.prefix}{self.group}"
+
     def handle(self, records: list[Record]) -> None:
         raise NotImplementedError
 
@@ -71,7 +76,7 @@ class Worker:
 
     def run_once(self, timeout: float = 0.1) -> None:
         if self._consumer is None:
-            self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.group)
+            self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.consumer_group)
         records = self._consumer.poll(timeout=0 if self.busy else timeout)
         if records:
             self.handle(records)
@@ -97,7 +102,7 @@ class Worker:
     def dead_letter(self, record: Record, error: BadMessage | Exception) -> None:
         """Park a record no worker can use, with the reason, and move on."""
         log.warning("dead-lettering %s/%s@%s: %s", record.topic, record.partition, record.offset, error)
-        letter = DeadLetter.of(record, str(error), self.group)
+        letter = DeadLetter.of(record, str(error), self.consumer_group)
         self.bus.produce(self.topic(Topic.DEAD_LETTER), record.key, letter.model_dump_json().encode())
         self.watermarks.seen(record)
 

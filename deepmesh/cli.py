@@ -40,6 +40,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", default="deepmesh-tiny")
     serve.set_defaults(run=_serve)
 
+    # distributed mode: one service per process, configured from DEEPMESH_* (common/settings.py)
+    for name, helptext in (
+        ("gateway", "the HTTP gateway"),
+        ("tokenizer", "the tokenizer worker"),
+        ("prefill", "a prefill worker"),
+        ("decode", "a decode worker"),
+        ("cache", "the cache service"),
+    ):
+        service = commands.add_parser(name, help=f"{helptext}, over Kafka (distributed mode)")
+        service.add_argument("--model", type=Path, default=None, help="checkpoint (default: DEEPMESH_MODEL)")
+        if name in ("gateway", "cache"):
+            service.add_argument("--host", default="127.0.0.1")
+            service.add_argument("--port", type=int, default=8000 if name == "gateway" else 8100)
+        if name == "cache":
+            service.add_argument("--dir", type=Path, default=Path(".cache/state"))
+        service.set_defaults(run=_service)
+
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -81,6 +98,63 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         mesh.stop()
     return 0
+
+
+def _service(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    import uvicorn
+
+    from common.bus import KafkaBus
+    from common.settings import Settings
+    from common.topics import all_topic_names
+
+    settings = Settings()
+    model = args.model or Path(settings.model)
+    if args.command == "cache":
+        from cache_svc.app import create_app as create_cache_app
+        from cache_svc.store import StateStore
+
+        uvicorn.run(create_cache_app(StateStore(args.dir)), host=args.host, port=args.port, log_level="warning")
+        return 0
+    bus = KafkaBus(settings.kafka_bootstrap, client_id=f"deepmesh-{args.command}")
+    bus.create_topics(all_topic_names(settings.topic_prefix), settings.topic_partitions)
+    if args.command == "gateway":
+        from gateway.app import create_app
+        from gateway.jobs import JobStore
+
+        app = create_app(bus, settings.topic_prefix, [settings.served_model_name], JobStore(settings.database_url))
+        print(f"deepmesh gateway on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        return 0
+    worker = _make_worker(args.command, bus, settings, model)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"deepmesh {args.command} worker running", file=sys.stderr)
+    worker.run(stop)
+    bus.close()
+    return 0
+
+
+def _make_worker(command: str, bus, settings, model: Path):
+    if command == "tokenizer":
+        from tokenizer_svc.protocol import Codec
+        from tokenizer_svc.worker import TokenizerWorker
+
+        return TokenizerWorker(bus, settings.topic_prefix, Codec.for_model(model, settings.served_model_name))
+    from cache_svc.client import StateClient
+    from engine import LLMEngine
+
+    engine = LLMEngine.from_pretrained(model)
+    if command == "prefill":
+        from prefill_svc.worker import PrefillWorker
+
+        return PrefillWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url))
+    from decode_svc.worker import DecodeWorker
+
+    return DecodeWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -36,12 +36,7 @@ class Mesh:
         bus.create_topics(all_topic_names(topic_prefix), partitions)
         prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
         decode_engine = LLMEngine(prefill_engine.model, **engine_options)  # one copy of the weights
-        codec = Codec(
-            model_path / "tokenizer.json",
-            [served_model],
-            context_limit=prefill_engine.max_model_len,
-            stop_ids=set(prefill_engine.config.eos_token_ids),
-        )
+        codec = Codec.for_model(model_path, served_model)
         self.store = StateStore(state_dir)
         self.tokenizer = TokenizerWorker(bus, topic_prefix, codec)
         self.prefill = PrefillWorker(bus, topic_prefix, prefill_engine, self.store)

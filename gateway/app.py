@@ -40,7 +40,7 @@ class ResultRouter:
 
     bus: Bus
     topic: str
-    group: str = field(default_factory=lambda: f"gateway-{uuid.uuid4().hex[:12]}")
+    group: str  # one per gateway process
     _watches: dict[str, _Watch] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -103,6 +103,7 @@ class JobRecorder:
 
     bus: Bus
     topic: str
+    group: str  # shared by every gateway of the deployment
     store: JobStore
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -117,7 +118,7 @@ class JobRecorder:
             self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        consumer = self.bus.consumer([self.topic], "gateway-jobs")
+        consumer = self.bus.consumer([self.topic], self.group)
         try:
             while not self._stop.is_set():
                 for record in consumer.poll(timeout=0.2):
@@ -159,8 +160,9 @@ def create_app(
     jobs: JobStore,
     result_timeout: float = 600.0,
 ) -> FastAPI:
-    router = ResultRouter(bus, topic_name(Topic.RESULTS, topic_prefix))
-    recorder = JobRecorder(bus, topic_name(Topic.RESULTS, topic_prefix), jobs)
+    results_topic = topic_name(Topic.RESULTS, topic_prefix)
+    router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
+    recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs)
     requests_topic = topic_name(Topic.REQUESTS, topic_prefix)
     decode_topic = topic_name(Topic.DECODE, topic_prefix)
 

@@ -77,6 +77,19 @@ class Codec:
         self.context_limit = context_limit
         self.stop_ids = set(stop_ids)
 
+    @classmethod
+    def for_model(cls, model_path: str | Path, served_model: str) -> Codec:
+        """A codec for a checkpoint directory: its tokenizer, context length and EOS tokens."""
+        from engine.config import ModelConfig
+
+        config = ModelConfig.from_pretrained(model_path)
+        return cls(
+            Path(model_path) / "tokenizer.json",
+            [served_model],
+            context_limit=config.max_position_embeddings,
+            stop_ids=set(config.eos_token_ids),
+        )
+
     def convert(self, endpoint: str, body: dict[str, Any] | bytes | str) -> tuple[Any, str]:
         """(ConversationRequest, model name), or ProtocolError with the protocol's error body."""
         if endpoint not in ENDPOINTS:

@@ -1,0 +1,44 @@
+"""The cache service's HTTP API behind the StateStore interface that prefill and decode use."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from cache_svc.store import checksum_of
+
+log = logging.getLogger(__name__)
+
+
+class StateClient:
+    def __init__(self, base_url: str, timeout: float = 60.0):
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+
+    def put(self, key: str, data: bytes, lease_seconds: float) -> tuple[str, float]:
+        response = self.http.put(f"/v1/state/{key}", content=data, headers={"X-Lease-Seconds": str(lease_seconds)})
+        response.raise_for_status()
+        body = response.json()
+        return body["checksum"], body["lease_expires_at"]
+
+    def get(self, key: str) -> bytes | None:
+        """The blob, or None when it is missing, unreachable or fails its checksum (callers recompute)."""
+        try:
+            response = self.http.get(f"/v1/state/{key}")
+        except httpx.HTTPError as err:
+            log.warning("cache get %s failed: %r", key, err)
+            return None
+        if response.status_code != 200:
+            return None
+        if checksum_of(response.content) != response.headers.get("X-Checksum"):
+            return None
+        return response.content
+
+    def delete(self, key: str) -> None:
+        try:
+            self.http.delete(f"/v1/state/{key}")
+        except httpx.HTTPError as err:  # the lease reclaims it anyway
+            log.warning("cache delete %s failed: %r", key, err)
+
+    def close(self) -> None:
+        self.http.close()
