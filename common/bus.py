@@ -39,9 +39,10 @@ class Record:
 class Consumer(Protocol):
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]: ...
 
-    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
+    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> bool:
         """Mark records done for this consumer's group: everything polled so far, or, with
-        `offsets`, each (topic, partition) up to (not including) the given offset."""
+        `offsets`, each (topic, partition) up to (not including) the given offset. False if
+        the commit did not happen (retry with the next one)."""
 
     def close(self) -> None: ...
 
@@ -72,7 +73,7 @@ class MemoryBus:
     """Kafka's delivery model inside one process, for the embedded mode and fast tests."""
 
     def __init__(self) -> None:
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._logs: dict[str, list[list[Record]]] = {}
         self._committed: dict[tuple[str, str, int], int] = {}  # (group, topic, partition) -> next offset
         self._members: dict[str, list[MemoryConsumer]] = {}
@@ -89,7 +90,10 @@ class MemoryBus:
             log = self._logs[topic]
             part = partition_for(key, len(log))
             log[part].append(Record(topic, part, len(log[part]), key, value, dict(headers or {})))
-            self._lock.notify_all()
+            for members in self._members.values():
+                for member in members:
+                    if topic in member.topics:
+                        member.wakeup.notify()
 
     def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> MemoryConsumer:
         with self._lock:
@@ -111,8 +115,8 @@ class MemoryBus:
             for members in self._members.values():
                 for member in list(members):
                     member.closed = True
+                    member.wakeup.notify()
             self._members.clear()
-            self._lock.notify_all()
 
     def _rebalance(self, group: str) -> None:
         """Deal the group's partitions round-robin to its members; each restarts at the committed offset."""
@@ -131,6 +135,8 @@ class MemoryConsumer:
         self.bus, self.topics, self.group = bus, topics, group
         self.positions: dict[tuple[str, int], int] = {}
         self.closed = False
+        # woken by produce() to one of this member's topics only, not by every record on the bus
+        self.wakeup = threading.Condition(bus._lock)
 
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
         deadline = time.monotonic() + timeout
@@ -149,14 +155,15 @@ class MemoryConsumer:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return []
-                self.bus._lock.wait(remaining)
+                self.wakeup.wait(remaining)
             return []
 
-    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
+    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> bool:
         with self.bus._lock:
             for (topic, part), position in (offsets if offsets is not None else self.positions).items():
                 if (topic, part) in self.positions:  # only partitions this consumer still owns
                     self.bus._committed[(self.group, topic, part)] = position
+        return True
 
     def wait_assigned(self, timeout: float) -> None:
         return  # partitions are dealt as soon as a member joins
@@ -170,7 +177,7 @@ class MemoryConsumer:
             if self in members:
                 members.remove(self)
                 self.bus._rebalance(self.group)
-            self.bus._lock.notify_all()
+            self.wakeup.notify()
 
 
 # -- Apache Kafka -------------------------------------------------------------------------------
@@ -225,7 +232,6 @@ class KafkaConsumerAdapter:
         from kafka import KafkaConsumer
 
         self._consumer = KafkaConsumer(
-            *topics,
             bootstrap_servers=bootstrap,
             group_id=group,
             client_id=client_id,
@@ -233,7 +239,17 @@ class KafkaConsumerAdapter:
             auto_offset_reset="earliest" if from_beginning else "latest",
             session_timeout_ms=10_000,
             heartbeat_interval_ms=1_000,
+            metadata_max_age_ms=10_000,  # a topic created after start-up is noticed within seconds
         )
+        # Subscribe only once this client knows every topic's partitions: a member that joins
+        # its group before that is assigned nothing, and nothing rebalances until metadata is
+        # refreshed (services start while another one is still creating the topics).
+        deadline = time.monotonic() + 60
+        while any(not self._consumer.partitions_for_topic(t) for t in topics):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no partition metadata for {topics}")
+            time.sleep(0.1)
+        self._consumer.subscribe(topics)
         self._pending: list[Record] = []
 
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
@@ -248,7 +264,7 @@ class KafkaConsumerAdapter:
                 records.append(Record(m.topic, m.partition, m.offset, m.key.decode(), m.value, headers))
         return records
 
-    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> None:
+    def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> bool:
         from kafka.errors import KafkaError
         from kafka.structs import OffsetAndMetadata, TopicPartition
 
@@ -261,13 +277,15 @@ class KafkaConsumerAdapter:
                 if TopicPartition(topic, part) in owned
             }
             if not wanted:
-                return
+                return False
         try:
             self._consumer.commit(wanted)
         except KafkaError as err:
             # a rebalance or a broker hiccup: the next commit carries the same offsets, and a
             # partition that moved is replayed by its new owner from the last committed offset
             log.warning("offset commit failed, retried on the next one: %r", err)
+            return False
+        return True
 
     def wait_assigned(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -55,6 +55,7 @@ class Worker:
         self.prefix = topic_prefix
         self.watermarks = Watermarks()
         self._consumer = None
+        self._committed: dict[tuple[str, int], int] = {}
 
     def topic(self, topic: Topic) -> str:
         return topic_name(topic, self.prefix)
@@ -77,11 +78,19 @@ class Worker:
     def run_once(self, timeout: float = 0.1) -> None:
         if self._consumer is None:
             self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.consumer_group)
-        records = self._consumer.poll(timeout=0 if self.busy else timeout)
+        # busy: only a glance at the bus between engine steps, but never a zero timeout, which
+        # lets a Kafka client skip its network round and starve new jobs behind running ones
+        records = self._consumer.poll(timeout=0.002 if self.busy else timeout)
         if records:
+            for r in records:
+                log.debug("%s: %s[%d]@%d key=%s", self.group, r.topic, r.partition, r.offset, r.key)
             self.handle(records)
         self.idle()
-        self._consumer.commit(self.watermarks.offsets())
+        offsets = self.watermarks.offsets()
+        # commit only what moved: an idle worker then never commits, and a commit refused
+        # during a rebalance is not retried in a tight loop that keeps the rejoin from finishing
+        if offsets != self._committed and self._consumer.commit(offsets):
+            self._committed = offsets
 
     def run(self, stop: threading.Event) -> None:
         try:
@@ -98,6 +107,7 @@ class Worker:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+            self._committed = {}
 
     def dead_letter(self, record: Record, error: BadMessage | Exception) -> None:
         """Park a record no worker can use, with the reason, and move on."""

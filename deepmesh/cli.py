@@ -10,6 +10,15 @@ from pathlib import Path
 from deepmesh import __version__
 
 
+def _configure_logging() -> None:
+    import logging
+    import os
+
+    level = os.environ.get("DEEPMESH_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(max(logging.getLevelName(level), logging.WARNING))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepmesh", description="DeepSeek-V4 serving stack")
     parser.add_argument("--version", action="version", version=f"deepmesh {__version__}")
@@ -58,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         service.set_defaults(run=_service)
 
     args = parser.parse_args(argv)
+    _configure_logging()
     try:
         return args.run(args)
     except ValueError as err:  # EngineError and friends: a clear message, not a traceback

@@ -45,6 +45,7 @@ class Cluster:
             "DEEPMESH_CACHE_URL": f"http://127.0.0.1:{self.cache_port}",
             "DEEPMESH_MODEL": str(model),
             "DEEPMESH_SERVED_MODEL_NAME": MODEL,
+            "DEEPMESH_LOG_LEVEL": "DEBUG",
         }
         self.processes: dict[str, subprocess.Popen] = {}
         self.url = f"http://127.0.0.1:{self.gateway_port}"

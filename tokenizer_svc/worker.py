@@ -20,7 +20,7 @@ from common.messages import (
 )
 from common.topics import Topic
 from common.worker import Worker
-from tokenizer_svc.protocol import Codec, OutputStream, ProtocolError
+from tokenizer_svc.protocol import Codec, Event, OutputStream, ProtocolError
 
 
 @dataclass
@@ -40,14 +40,19 @@ class TokenizerWorker(Worker):
         self.jobs: dict[str, _Job] = {}
 
     def handle(self, records: list[Record]) -> None:
+        # a job's tokens messages from one poll become one results message: when the worker
+        # falls behind, it catches up in fewer, larger messages instead of falling further behind
+        pending: dict[str, list[Event]] = {}
         for record in records:
             try:
                 if record.topic == self.topic(Topic.REQUESTS):
                     self._on_request(record)
                 else:
-                    self._on_tokens(record)
+                    self._on_tokens(record, pending)
             except BadMessage as err:
                 self.dead_letter(record, err)
+        for job_id, events in pending.items():
+            self._emit(job_id, events, done=False)
 
     def _on_request(self, record: Record) -> None:
         envelope = decode(record.value, "request")
@@ -70,7 +75,7 @@ class TokenizerWorker(Worker):
             self.bus.produce(self.topic(Topic.PREFILL), envelope.job_id, message.encode())
         self.watermarks.seen(record)
 
-    def _on_tokens(self, record: Record) -> None:
+    def _on_tokens(self, record: Record, pending: dict[str, list[Event]]) -> None:
         envelope = decode(record.value, "tokens")
         tokens = payload_of(envelope, TokensPayload)
         job_id = envelope.job_id
@@ -90,9 +95,15 @@ class TokenizerWorker(Worker):
             events = []
         job.next_tokens_seq = envelope.seq + 1
         events += job.output.tokens(tokens.token_ids)
-        done = tokens.finished or job.output.complete
-        if done:
+        self.watermarks.hold(record, job_id)
+        if tokens.finished or job.output.complete:
             events += job.output.finish(tokens.finish_reason or "stop")
+            self._emit(job_id, pending.pop(job_id, []) + events, done=True)
+        else:
+            pending.setdefault(job_id, []).extend(events)
+
+    def _emit(self, job_id: str, events: list[Event], done: bool) -> None:
+        job = self.jobs[job_id]
         result = ResultPayload(
             events=[StreamEvent(name=e.name, data=e.data) for e in events],
             done=done,
@@ -101,7 +112,6 @@ class TokenizerWorker(Worker):
         )
         self._result(job_id, job.next_result_seq, result)
         job.next_result_seq += 1
-        self.watermarks.hold(record, job_id)
         if done:
             del self.jobs[job_id]
             self.watermarks.release(job_id)
