@@ -296,11 +296,3 @@ class KafkaConsumerAdapter:
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)
-
-
-def make_bus(kind: str, kafka_bootstrap: str = "") -> Bus:
-    if kind == "memory":
-        return MemoryBus()
-    if kind == "kafka":
-        return KafkaBus(kafka_bootstrap)
-    raise ValueError(f"unknown bus {kind!r} (memory or kafka)")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
 
 from common.bus import Bus, Record
 from common.messages import BadMessage, DeadLetter
@@ -115,7 +114,3 @@ class Worker:
         letter = DeadLetter.of(record, str(error), self.consumer_group)
         self.bus.produce(self.topic(Topic.DEAD_LETTER), record.key, letter.model_dump_json().encode())
         self.watermarks.seen(record)
-
-    def produce_all(self, messages: Iterable[tuple[Topic, str, bytes]]) -> None:
-        for topic, key, value in messages:
-            self.bus.produce(self.topic(topic), key, value)
