@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
 from cache_svc.store import StateStore, checksum_of
+from common.tracing import http_telemetry
+
+ENTRIES = Gauge("deepmesh_cache_entries", "State entries held by the cache service")
 
 
 def create_app(store: StateStore) -> FastAPI:
-    app = FastAPI(title="deepmesh cache", version="0.1.0")
+    app = FastAPI(title="deepmesh cache", version="0.1.0", telemetry=http_telemetry())
+    ENTRIES.set_function(lambda: len(store))
 
     def missing(key: str) -> JSONResponse:
         return JSONResponse({"error": {"message": f"no state {key!r}", "type": "not_found"}}, status_code=404)
@@ -47,5 +52,9 @@ def create_app(store: StateStore) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"status": "ok", "entries": len(store), **store.stats}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app

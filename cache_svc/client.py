@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import httpx
+from opentelemetry import propagate
 
 from cache_svc.store import checksum_of
 
@@ -16,7 +17,8 @@ class StateClient:
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
 
     def put(self, key: str, data: bytes, lease_seconds: float) -> tuple[str, float]:
-        response = self.http.put(f"/v1/state/{key}", content=data, headers={"X-Lease-Seconds": str(lease_seconds)})
+        headers = {"X-Lease-Seconds": str(lease_seconds), **_trace_headers()}
+        response = self.http.put(f"/v1/state/{key}", content=data, headers=headers)
         response.raise_for_status()
         body = response.json()
         return body["checksum"], body["lease_expires_at"]
@@ -24,7 +26,7 @@ class StateClient:
     def get(self, key: str) -> bytes | None:
         """The blob, or None when it is missing, unreachable or fails its checksum (callers recompute)."""
         try:
-            response = self.http.get(f"/v1/state/{key}")
+            response = self.http.get(f"/v1/state/{key}", headers=_trace_headers())
         except httpx.HTTPError as err:
             log.warning("cache get %s failed: %r", key, err)
             return None
@@ -36,9 +38,16 @@ class StateClient:
 
     def delete(self, key: str) -> None:
         try:
-            self.http.delete(f"/v1/state/{key}")
+            self.http.delete(f"/v1/state/{key}", headers=_trace_headers())
         except httpx.HTTPError as err:  # the lease reclaims it anyway
             log.warning("cache delete %s failed: %r", key, err)
 
     def close(self) -> None:
         self.http.close()
+
+
+def _trace_headers() -> dict[str, str]:
+    """The current span's context, so the cache service's span joins the job's trace."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier

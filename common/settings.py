@@ -19,3 +19,9 @@ class Settings(BaseSettings):
     cache_url: str = "http://127.0.0.1:8100"
     model: str = ".cache/models/tiny"
     served_model_name: str = "deepmesh-tiny"
+    log_level: str = "WARNING"
+    log_format: Literal["json", "text"] = "json"
+    trace_exporter: str = "jsonl"  # comma-separated: jsonl, console, otlp, none (common/tracing.py)
+    trace_file: str = ".cache/traces.jsonl"
+    metrics_port: int = 0  # a worker serves /metrics on this port; 0: not at all
+    metrics_host: str = "127.0.0.1"

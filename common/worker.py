@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from common.bus import Bus, Record
-from common.messages import BadMessage, DeadLetter
+from common import metrics
+from common.bus import Bus, Headers, Record
+from common.messages import BadMessage, DeadLetter, Envelope
 from common.topics import Topic, topic_name
+from common.tracing import Context, Span, SpanKind, headers_of, job_span
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Worker:
         if records:
             for r in records:
                 log.debug("%s: %s[%d]@%d key=%s", self.group, r.topic, r.partition, r.offset, r.key)
+                metrics.CONSUMED.labels(self.group, r.topic.removeprefix(self.prefix)).inc()
             self.handle(records)
         self.idle()
         offsets = self.watermarks.offsets()
@@ -98,6 +101,7 @@ class Worker:
                     self.run_once()
                 except Exception:  # a worker outlives any one failure: at-least-once replays the work
                     log.exception("%s worker: step failed; continuing", self.group)
+                    metrics.WORKER_ERRORS.labels(self.group).inc()
                     stop.wait(1.0)
         finally:
             self.close()
@@ -108,9 +112,20 @@ class Worker:
             self._consumer = None
             self._committed = {}
 
+    def send(self, topic: Topic, envelope: Envelope, headers: Headers | None = None) -> None:
+        """Produce a job's message downstream (keyed by its job id, so a job's messages stay in order)."""
+        self.bus.produce(self.topic(topic), envelope.job_id, envelope.encode(), headers)
+        metrics.PRODUCED.labels(self.group, topic.value).inc()
+
+    def hop(self, topic: Topic, envelope: Envelope, parent: Context | Span | None) -> None:
+        """Send a job on to its next stage in a producer span, whose context the record carries."""
+        with job_span(f"send {topic.value}", envelope.job_id, parent, SpanKind.PRODUCER) as span:
+            self.send(topic, envelope, headers_of(span))
+
     def dead_letter(self, record: Record, error: BadMessage | Exception) -> None:
         """Park a record no worker can use, with the reason, and move on."""
         log.warning("dead-lettering %s/%s@%s: %s", record.topic, record.partition, record.offset, error)
         letter = DeadLetter.of(record, str(error), self.consumer_group)
         self.bus.produce(self.topic(Topic.DEAD_LETTER), record.key, letter.model_dump_json().encode())
+        metrics.DEAD_LETTERS.labels(self.group, record.topic.removeprefix(self.prefix)).inc()
         self.watermarks.seen(record)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from cache_svc.store import StateStore
+from common import metrics
 from common.bus import Bus, Record
 from common.messages import BadMessage, DecodePayload, Envelope, JobStart, TokensPayload, decode, payload_of
 from common.topics import Topic
+from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span, within
 from common.worker import Worker
 from engine import EngineError, LLMEngine, SamplingParams, SnapshotError, StateSnapshot
 
@@ -18,6 +21,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Job:
     payload: DecodePayload
+    span: Span  # from the job's arrival to its last token
+    headers: dict[str, bytes] = field(default_factory=dict)  # the span's context, on every tokens message
     next_seq: int = 1  # seq 0 (the start and the first token) goes out when the job arrives
 
 
@@ -55,33 +60,43 @@ class DecodeWorker(Worker):
                 self.cancelled.discard(envelope.job_id)
                 self.watermarks.seen(record)
                 continue
+            span = start_span("decode", envelope.job_id, context_of(record.headers), SpanKind.CONSUMER)
             try:
-                self._start(envelope.job_id, payload)
+                with within(span, envelope.job_id):
+                    self._start(envelope.job_id, payload, span)
             except EngineError as err:  # input the engine refuses: nothing to decode
+                span.end()
                 self.dead_letter(record, err)
                 continue
             self.watermarks.hold(record, envelope.job_id)
+        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
-    def _start(self, job_id: str, payload: DecodePayload) -> None:
+    def _start(self, job_id: str, payload: DecodePayload, span: Span) -> None:
         sampling = payload.sampling
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=payload.seed
         )
-        snapshot = self._fetch(payload)
+        with job_span("cache.get", job_id, kind=SpanKind.CLIENT):
+            snapshot = self._fetch(payload)
         if snapshot is not None and self.engine.import_state(job_id, snapshot, params):
             self.loaded += 1
+            outcome = "loaded"
         else:
             if snapshot is None:  # missing, corrupt or of another layout: recompute, never guess
                 self.engine.resume(job_id, payload.prompt_token_ids, [payload.first_token], params, payload.seed)
             self.recomputed += 1
-        self.jobs[job_id] = _Job(payload)
+            outcome = "recomputed"
+        span.set_attribute("deepmesh.state", outcome)
+        metrics.STATE_HANDOFFS.labels(outcome).inc()
+        self.jobs[job_id] = _Job(payload, span, headers_of(span))
         start = JobStart(
             endpoint=payload.endpoint,
             body=payload.body,
             prompt_tokens=len(payload.prompt_token_ids),
             cached_tokens=payload.cached_tokens,
         )
-        self._tokens(job_id, 0, TokensPayload(start=start, token_ids=[payload.first_token]))
+        seq0 = TokensPayload(start=start, token_ids=[payload.first_token])
+        self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=seq0.model_dump()), span)
 
     def _cancel(self, job_id: str) -> None:
         """Stop a job now and free its state; a cancel that comes first stops the job on arrival."""
@@ -92,11 +107,9 @@ class DecodeWorker(Worker):
                 self.cancelled.clear()
             return
         self.engine.abort(job_id)
-        if job.payload.kv is not None:
-            self.store.delete(job.payload.kv.key)
         tokens = TokensPayload(finished=True, finish_reason="abort")
-        self._tokens(job_id, job.next_seq, tokens)
-        self.watermarks.release(job_id)
+        self._tokens(job, job_id, tokens)
+        self._finish(job_id, job, "cancelled")
 
     def _fetch(self, payload: DecodePayload) -> StateSnapshot | None:
         kv = payload.kv
@@ -105,6 +118,7 @@ class DecodeWorker(Worker):
         data = self.store.get(kv.key)
         if data is None:
             return None
+        metrics.STATE_BYTES.labels("get").inc(len(data))
         try:
             return StateSnapshot.from_bytes(data)
         except SnapshotError as err:
@@ -114,19 +128,32 @@ class DecodeWorker(Worker):
     def idle(self) -> None:
         if not self.jobs:
             return
-        for out in self.engine.step():
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(time.perf_counter() - started)
+        for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
+            metrics.GENERATED_TOKENS.labels(self.group).inc(len(out.new_token_ids))
             tokens = TokensPayload(token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason)
-            self._tokens(out.request_id, job.next_seq, tokens)
-            job.next_seq += 1
+            self._tokens(job, out.request_id, tokens)
             if out.finished:
-                if job.payload.kv is not None:
-                    self.store.delete(job.payload.kv.key)
                 del self.jobs[out.request_id]
-                self.watermarks.release(out.request_id)
+                self._finish(out.request_id, job, out.finish_reason or "stop")
+        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
-    def _tokens(self, job_id: str, seq: int, tokens: TokensPayload) -> None:
-        message = Envelope(type="tokens", job_id=job_id, seq=seq, payload=tokens.model_dump())
-        self.bus.produce(self.topic(Topic.TOKENS), job_id, message.encode())
+    def _finish(self, job_id: str, job: _Job, outcome: str) -> None:
+        """Free the job's stored state, close its span and let its record be committed."""
+        with within(job.span, job_id, end=True):
+            job.span.set_attribute("deepmesh.finish", outcome)
+            job.span.set_attribute("deepmesh.tokens_messages", job.next_seq)
+            if job.payload.kv is not None:
+                with job_span("cache.delete", job_id, kind=SpanKind.CLIENT):
+                    self.store.delete(job.payload.kv.key)
+        self.watermarks.release(job_id)
+
+    def _tokens(self, job: _Job, job_id: str, tokens: TokensPayload) -> None:
+        message = Envelope(type="tokens", job_id=job_id, seq=job.next_seq, payload=tokens.model_dump())
+        self.send(Topic.TOKENS, message, job.headers)
+        job.next_seq += 1

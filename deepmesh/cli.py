@@ -10,16 +10,18 @@ from pathlib import Path
 from deepmesh import __version__
 
 
-def _configure_logging() -> None:
-    import logging
-    import os
+def _observe(service: str) -> None:
+    """JSON logs and tracing for a serving process, as DEEPMESH_LOG_* and DEEPMESH_TRACE_* say."""
+    from common.logs import setup_logging
+    from common.settings import Settings
+    from common.tracing import setup_tracing
 
-    level = os.environ.get("DEEPMESH_LOG_LEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(max(logging.getLevelName(level), logging.WARNING))
+    settings = Settings()
+    setup_logging(service, settings.log_level, settings.log_format)
+    setup_tracing(service, settings.trace_exporter, settings.trace_file)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepmesh", description="DeepSeek-V4 serving stack")
     parser.add_argument("--version", action="version", version=f"deepmesh {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -62,12 +64,23 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("gateway", "cache"):
             service.add_argument("--host", default="127.0.0.1")
             service.add_argument("--port", type=int, default=8000 if name == "gateway" else 8100)
+        else:
+            service.add_argument("--metrics-port", type=int, default=None, help="/metrics port (DEEPMESH_METRICS_PORT)")
         if name == "cache":
             service.add_argument("--dir", type=Path, default=Path(".cache/state"))
         service.set_defaults(run=_service)
 
-    args = parser.parse_args(argv)
-    _configure_logging()
+    show = commands.add_parser("trace", help="print a job's trace as a span tree, from the JSON-lines trace file")
+    show.add_argument("job_id")
+    show.add_argument("--file", type=Path, default=None, help="trace file (default: DEEPMESH_TRACE_FILE)")
+    show.set_defaults(run=_trace)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("serve", "gateway", "tokenizer", "prefill", "decode", "cache"):
+        _observe(args.command)
     try:
         return args.run(args)
     except ValueError as err:  # EngineError and friends: a clear message, not a traceback
@@ -80,6 +93,20 @@ def _make_model(args: argparse.Namespace) -> int:
 
     path = make_model(args.outdir, args.preset, args.seed)
     print(path)
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from common.settings import Settings
+    from common.tracing import format_tree, job_trace, read_spans
+
+    path = args.file or Path(Settings().trace_file)
+    if not path.is_file():
+        raise ValueError(f"no trace file at {path} (see DEEPMESH_TRACE_FILE and DEEPMESH_TRACE_EXPORTER=jsonl)")
+    spans = job_trace(read_spans(path), args.job_id)
+    if not spans:
+        raise ValueError(f"no spans of job {args.job_id} in {path}")
+    print(format_tree(spans))
     return 0
 
 
@@ -139,6 +166,11 @@ def _service(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
         return 0
     worker = _make_worker(args.command, bus, settings, model)
+    metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=settings.metrics_host)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

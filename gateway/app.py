@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,10 +19,13 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common import metrics
 from common.bus import Bus
 from common.messages import Envelope, RequestPayload, ResultPayload, decode
 from common.topics import Topic, topic_name
+from common.tracing import Span, SpanKind, headers_of, http_telemetry, job_span, start_span
 from gateway.jobs import FINAL, JobStore
 
 MAX_BODY_BYTES = 8 << 20
@@ -136,6 +140,40 @@ class JobRecorder:
             consumer.close()
 
 
+@dataclass
+class _Call:
+    """One API call, from request to last byte (streams outlive the HTTP handler): its span, its metrics."""
+
+    endpoint: str
+    job_id: str
+    span: Span
+    started: float = field(default_factory=time.perf_counter)
+    first_event_seen: bool = False
+    ended: bool = False
+
+    @classmethod
+    def begin(cls, endpoint: str) -> _Call:
+        job_id = uuid.uuid4().hex
+        span = start_span(f"answer {endpoint}", job_id, **{"deepmesh.endpoint": endpoint})
+        metrics.IN_FLIGHT.labels(endpoint).inc()
+        return cls(endpoint, job_id, span)
+
+    def first_event(self) -> None:
+        if not self.first_event_seen:
+            self.first_event_seen = True
+            metrics.TTFT_SECONDS.labels(self.endpoint).observe(time.perf_counter() - self.started)
+
+    def end(self, status: int) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        metrics.IN_FLIGHT.labels(self.endpoint).dec()
+        metrics.REQUESTS.labels(self.endpoint, str(status)).inc()
+        metrics.REQUEST_SECONDS.labels(self.endpoint).observe(time.perf_counter() - self.started)
+        self.span.set_attribute("http.response.status_code", status)
+        self.span.end()
+
+
 def protocol_error(endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An error in the endpoint's own format: OpenAI's for chat and responses, Anthropic's for messages."""
     if endpoint == "messages":
@@ -174,7 +212,7 @@ def create_app(
         await asyncio.to_thread(recorder.stop)
         await asyncio.to_thread(router.stop)
 
-    app = FastAPI(title="deepmesh", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="deepmesh", version="0.1.0", lifespan=lifespan, telemetry=http_telemetry())
 
     async def read_object(endpoint: str, request: Request) -> dict | Response:
         """The JSON object in the request, or the protocol's error response."""
@@ -189,29 +227,43 @@ def create_app(
             return protocol_error(endpoint, 400, "the request body must be a JSON object")
         return body
 
-    async def enqueue(job_id: str, endpoint: str, body: dict) -> None:
+    async def enqueue(job_id: str, endpoint: str, body: dict, parent: Span) -> None:
         payload = RequestPayload(endpoint=endpoint, body=body).model_dump()
         message = Envelope(type="request", job_id=job_id, payload=payload)
-        await asyncio.to_thread(bus.produce, requests_topic, job_id, message.encode())
+        with job_span("send requests", job_id, parent, SpanKind.PRODUCER) as span:
+            headers = headers_of(span)
+            await asyncio.to_thread(bus.produce, requests_topic, job_id, message.encode(), headers)
 
     async def serve(endpoint: str, request: Request) -> Response:
+        call = _Call.begin(endpoint)
+        try:
+            response = await answer(call, request)
+        except BaseException:
+            call.end(500)
+            raise
+        if not isinstance(response, StreamingResponse):
+            call.end(response.status_code)
+        return response
+
+    async def answer(call: _Call, request: Request) -> Response:
+        endpoint, job_id = call.endpoint, call.job_id
         body = await read_object(endpoint, request)
         if isinstance(body, Response):
             return body
-        job_id = uuid.uuid4().hex
         queue = router.watch(job_id)
         try:
-            await enqueue(job_id, endpoint, body)
+            await enqueue(job_id, endpoint, body, call.span)
             first = await asyncio.wait_for(queue.get(), timeout=result_timeout)
         except TimeoutError:
             router.forget(job_id)
             return protocol_error(endpoint, 504, "no result in time", "timeout_error")
+        call.first_event()
         if first.done and first.status != 200:
             router.forget(job_id)
             return error_response(endpoint, first)
         if body.get("stream"):
             return StreamingResponse(
-                sse(job_id, first, queue),
+                sse(call, first, queue),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -225,7 +277,7 @@ def create_app(
             router.forget(job_id)
         return JSONResponse(result.body, status_code=result.status)
 
-    async def sse(job_id: str, result: ResultPayload, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+    async def sse(call: _Call, result: ResultPayload, queue: asyncio.Queue) -> AsyncIterator[bytes]:
         """Each event as it arrives: `event:` when the protocol names it, then `data:`."""
         try:
             while True:
@@ -238,7 +290,8 @@ def create_app(
                     return
                 result = await asyncio.wait_for(queue.get(), timeout=result_timeout)
         finally:
-            router.forget(job_id)
+            router.forget(call.job_id)
+            call.end(200)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -263,8 +316,10 @@ def create_app(
         if not isinstance(body, dict):
             return protocol_error("jobs", 400, "body must be the JSON object of the request")
         job_id = uuid.uuid4().hex
-        job = await asyncio.to_thread(jobs.create, job_id, endpoint, {**body, "stream": False})
-        await enqueue(job_id, endpoint, {**body, "stream": False})
+        with job_span("submit job", job_id, **{"deepmesh.endpoint": endpoint}) as span:
+            job = await asyncio.to_thread(jobs.create, job_id, endpoint, {**body, "stream": False})
+            await enqueue(job_id, endpoint, {**body, "stream": False}, span)
+        metrics.JOBS_SUBMITTED.labels(endpoint).inc()
         return JSONResponse(job.to_api(), status_code=202)
 
     @app.get("/v1/jobs/{job_id}")
@@ -281,7 +336,9 @@ def create_app(
             return protocol_error("jobs", 404, f"no job {job_id}", "not_found_error")
         if job.status == "cancelled":  # tell decode to stop and free the state, wherever the job is
             cancel = Envelope(type="cancel", job_id=job_id)
-            await asyncio.to_thread(bus.produce, decode_topic, job_id, cancel.encode())
+            with job_span("cancel job", job_id) as span:
+                headers = headers_of(span)
+                await asyncio.to_thread(bus.produce, decode_topic, job_id, cancel.encode(), headers)
         return JSONResponse(job.to_api())
 
     @app.get("/v1/jobs/{job_id}/events")
@@ -317,6 +374,10 @@ def create_app(
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/readyz")
     async def readyz() -> Response:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from cache_svc.store import StateStore
+from common import metrics
 from common.bus import Bus, Record
 from common.messages import (
     BadMessage,
@@ -19,14 +21,16 @@ from common.messages import (
     payload_of,
 )
 from common.topics import Topic
+from common.tracing import Span, SpanKind, context_of, job_span, start_span, within
 from common.worker import Worker
-from engine import EngineError, LLMEngine, SamplingParams
+from engine import EngineError, LLMEngine, RequestOutput, SamplingParams
 
 
 @dataclass
 class _Job:
     payload: PrefillPayload
     record: Record
+    span: Span  # from the job's arrival to its hand-over
 
 
 class PrefillWorker(Worker):
@@ -63,60 +67,74 @@ class PrefillWorker(Worker):
                 top_p=sampling.top_p,
                 seed=sampling.seed,
             )
+            prompt_tokens = len(payload.prompt_token_ids)
+            parent = context_of(record.headers)
+            span = start_span("prefill", job_id, parent, SpanKind.CONSUMER, **{"deepmesh.prompt_tokens": prompt_tokens})
             try:
                 self.engine.add_request(job_id, payload.prompt_token_ids, params)
             except EngineError as err:
-                self._fail(job_id, str(err))
+                with within(span, job_id, end=True):
+                    self._fail(job_id, str(err), span)
                 self.watermarks.seen(record)
                 continue
-            self.jobs[job_id] = _Job(payload, record)
+            metrics.PROMPT_TOKENS.labels(self.group).inc(prompt_tokens)
+            self.jobs[job_id] = _Job(payload, record, span)
             self.watermarks.hold(record, job_id)
+        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
     def idle(self) -> None:
         if not self.jobs:
             return
-        for out in self.engine.step():
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(time.perf_counter() - started)
+        for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None or not out.new_token_ids:
                 continue
-            first = out.new_token_ids[0]
-            prompt = job.payload.prompt_token_ids
-            if out.finished:  # done at the first token: no decode needed
-                start = JobStart(endpoint=job.payload.endpoint, body=job.payload.body, prompt_tokens=len(prompt))
-                tokens = TokensPayload(start=start, token_ids=[first], finished=True, finish_reason=out.finish_reason)
-                self._send(Topic.TOKENS, Envelope(type="tokens", job_id=out.request_id, payload=tokens.model_dump()))
-            else:
-                snapshot = self.engine.export_state(out.request_id)
-                seed = self.engine.seqs[out.request_id].seed
-                self.engine.abort(out.request_id)
-                data = snapshot.to_bytes()
-                key = f"{out.request_id}/prefill"
-                checksum, expires = self.store.put(key, data, self.lease_seconds)
-                kv = KVHandle(
-                    key=key,
-                    size=len(data),
-                    checksum=checksum,
-                    layout=snapshot.layout,
-                    num_tokens=snapshot.num_computed,
-                    lease_expires_at=expires,
-                )
-                handoff = DecodePayload(
-                    endpoint=job.payload.endpoint,
-                    body=job.payload.body,
-                    prompt_token_ids=prompt,
-                    first_token=first,
-                    seed=seed,
-                    sampling=job.payload.sampling,
-                    kv=kv,
-                )
-                self._send(Topic.DECODE, Envelope(type="decode", job_id=out.request_id, payload=handoff.model_dump()))
+            metrics.GENERATED_TOKENS.labels(self.group).inc()
+            with within(job.span, out.request_id, end=True):
+                self._hand_over(out, job)
             del self.jobs[out.request_id]
             self.watermarks.release(out.request_id)
+        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
-    def _send(self, topic: Topic, envelope: Envelope) -> None:
-        self.bus.produce(self.topic(topic), envelope.job_id, envelope.encode())
+    def _hand_over(self, out: RequestOutput, job: _Job) -> None:
+        """Send the first token on: with the state to decode, or straight out when it is also the last."""
+        job_id, first, prompt = out.request_id, out.new_token_ids[0], job.payload.prompt_token_ids
+        if out.finished:  # done at the first token: no decode needed
+            start = JobStart(endpoint=job.payload.endpoint, body=job.payload.body, prompt_tokens=len(prompt))
+            tokens = TokensPayload(start=start, token_ids=[first], finished=True, finish_reason=out.finish_reason)
+            self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
+            return
+        snapshot = self.engine.export_state(job_id)
+        seed = self.engine.seqs[job_id].seed
+        self.engine.abort(job_id)
+        data = snapshot.to_bytes()
+        key = f"{job_id}/prefill"
+        with job_span("cache.put", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
+            checksum, expires = self.store.put(key, data, self.lease_seconds)
+        metrics.STATE_BYTES.labels("put").inc(len(data))
+        kv = KVHandle(
+            key=key,
+            size=len(data),
+            checksum=checksum,
+            layout=snapshot.layout,
+            num_tokens=snapshot.num_computed,
+            lease_expires_at=expires,
+        )
+        handoff = DecodePayload(
+            endpoint=job.payload.endpoint,
+            body=job.payload.body,
+            prompt_token_ids=prompt,
+            first_token=first,
+            seed=seed,
+            sampling=job.payload.sampling,
+            kv=kv,
+        )
+        self.hop(Topic.DECODE, Envelope(type="decode", job_id=job_id, payload=handoff.model_dump()), job.span)
 
-    def _fail(self, job_id: str, reason: str) -> None:
+    def _fail(self, job_id: str, reason: str, span: Span) -> None:
         error = {"error": {"message": reason, "type": "invalid_request_error", "param": None, "code": None}}
         result = ResultPayload(done=True, status=400, body=error)
-        self._send(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=result.model_dump()))
+        self.hop(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=result.model_dump()), span)

@@ -4,53 +4,64 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
-import anthropic
 import httpx
-import openai
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from common.bus import KafkaBus
+from common.tracing import job_trace, read_spans
+from tests.behaviour import (
+    MODEL,
+    QUESTION,
+    GatewayBehaviour,
+    ModelOutputBehaviour,
+    ScriptedModel,
+    free_port,
+    one_process_answer,
+)
 from tests.infra import require_service
-from tokenizer_svc.protocol import Codec
-
-MODEL = "deepmesh-tiny"
-QUESTION = [{"role": "user", "content": "Explain consumer groups."}]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Cluster:
+    """Services as OS processes, sharing one topic prefix; logs and traces under `root`."""
+
     def __init__(self, root: Path, model: Path):
         self.root = root
         self.gateway_port, self.cache_port = free_port(), free_port()
+        self.prefix = f"dist{uuid.uuid4().hex[:8]}."
+        self.traces = root / "traces.jsonl"
         self.env = {
             **os.environ,
             "DEEPMESH_KAFKA_BOOTSTRAP": require_service("DEEPMESH_KAFKA_BOOTSTRAP"),
             "DEEPMESH_DATABASE_URL": require_service("DEEPMESH_DATABASE_URL"),
-            "DEEPMESH_TOPIC_PREFIX": f"dist{uuid.uuid4().hex[:8]}.",
+            "DEEPMESH_TOPIC_PREFIX": self.prefix,
             "DEEPMESH_TOPIC_PARTITIONS": "2",
             "DEEPMESH_CACHE_URL": f"http://127.0.0.1:{self.cache_port}",
             "DEEPMESH_MODEL": str(model),
             "DEEPMESH_SERVED_MODEL_NAME": MODEL,
             "DEEPMESH_LOG_LEVEL": "DEBUG",
+            "DEEPMESH_TRACE_EXPORTER": "jsonl",
+            "DEEPMESH_TRACE_FILE": str(self.traces),
         }
         self.processes: dict[str, subprocess.Popen] = {}
         self.url = f"http://127.0.0.1:{self.gateway_port}"
+        self.cache_url = self.env["DEEPMESH_CACHE_URL"]
+        self.decode_metrics = ""
 
     def spawn(self, name: str, *extra: str) -> subprocess.Popen:
+        if name == "decode":  # its /metrics tell the tests what decode holds
+            port = free_port()
+            extra = (*extra, "--metrics-port", str(port))
+            self.decode_metrics = f"http://127.0.0.1:{port}/metrics"
         log = open(self.root / f"{name}-{len(self.processes)}.log", "w")  # noqa: SIM115 (lives with the process)
         process = subprocess.Popen(
             [sys.executable, "-m", "deepmesh.cli", name, *extra], env=self.env, stdout=log, stderr=subprocess.STDOUT
@@ -58,11 +69,14 @@ class Cluster:
         self.processes[f"{name}-{process.pid}"] = process
         return process
 
-    def start(self) -> Cluster:
-        self.spawn("cache", "--port", str(self.cache_port), "--dir", str(self.root / "state"))
-        self.spawn("gateway", "--port", str(self.gateway_port))
-        for name in ("tokenizer", "prefill", "decode"):
-            self.spawn(name)
+    def start(self, services: tuple[str, ...] = ("cache", "gateway", "tokenizer", "prefill", "decode")) -> Cluster:
+        for name in services:
+            if name == "cache":
+                self.spawn("cache", "--port", str(self.cache_port), "--dir", str(self.root / "state"))
+            elif name == "gateway":
+                self.spawn("gateway", "--port", str(self.gateway_port))
+            else:
+                self.spawn(name)
         deadline = time.monotonic() + 180
         while True:
             try:
@@ -85,6 +99,13 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 process.kill()
 
+    def decode_running(self) -> int:
+        scraped = httpx.get(self.decode_metrics).text
+        return int(float(re.search(r'^deepmesh_running_jobs\{service="decode"\} (\S+)$', scraped, re.M).group(1)))
+
+    def state_entries(self) -> int:
+        return httpx.get(f"{self.cache_url}/healthz").json()["entries"]
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
@@ -102,51 +123,76 @@ def cluster(model, tmp_path_factory):
         running.stop()
 
 
-def one_process_text(model: Path, body: dict) -> str:
-    """The greedy answer of the same request computed by the engine in this process."""
-    codec = Codec.for_model(model, MODEL)
-    prompt = codec.prompt("chat.completions", body)
-    engine = LLMEngine.from_pretrained(model)
-    assert prompt.temperature == 0, "compare greedy requests only"
-    out = engine.generate([prompt.token_ids], SamplingParams(max_tokens=prompt.max_tokens, temperature=0))[0]
-    stream = codec.output("chat.completions", body, "ref")
-    stream.start(len(prompt.token_ids))
-    stream.tokens(out.token_ids)
-    stream.finish(out.finish_reason)
-    return stream.body()["choices"][0]["message"]["content"]
+@pytest.fixture(scope="module")
+def service(cluster, model):
+    return SimpleNamespace(
+        url=cluster.url, model=model, decode_running=cluster.decode_running, state_entries=cluster.state_entries
+    )
 
 
-def test_every_protocol_through_separate_processes(cluster, model):
-    oai = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    # greedy (temperature 0, no thinking), so the answer can be compared with one process's
-    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 20, "temperature": 0, "thinking": {"type": "disabled"}}
-    sdk_args = {
-        "model": MODEL,
-        "messages": QUESTION,
-        "max_tokens": 20,
-        "temperature": 0,
-        "extra_body": {"thinking": {"type": "disabled"}},
-    }
-    reply = oai.chat.completions.create(**sdk_args)
-    assert reply.choices[0].message.content == one_process_text(model, body)
-    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(**sdk_args, stream=True))
-    assert streamed == reply.choices[0].message.content
+@pytest.fixture(scope="module")
+def scripted(model, tmp_path_factory):
+    """A gateway and a tokenizer process whose prefill and decode are a ScriptedModel in this process."""
+    running = Cluster(tmp_path_factory.mktemp("scripted"), model)
+    bus = KafkaBus(running.env["DEEPMESH_KAFKA_BOOTSTRAP"])
+    stage = None
+    try:
+        running.start(("gateway", "tokenizer"))
+        stage = ScriptedModel(bus, running.prefix, model).start()
+        yield SimpleNamespace(url=running.url, stage=stage)
+    finally:
+        if stage is not None:
+            stage.stop()
+        running.stop()
+        bus.close()
 
-    response = oai.responses.create(model=MODEL, input="Hello", max_output_tokens=8)
-    assert response.usage.output_tokens == 8
-    claude = anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0, timeout=120)
-    message = claude.messages.create(model=MODEL, max_tokens=8, messages=QUESTION)
-    assert message.usage.output_tokens == 8
-    with claude.messages.stream(model=MODEL, max_tokens=6, messages=QUESTION) as stream:
-        assert [e.type for e in stream][-1] == "message_stop"
 
-    job = httpx.post(f"{cluster.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}).json()
-    deadline = time.monotonic() + 120
-    while (state := httpx.get(f"{cluster.url}/v1/jobs/{job['id']}").json())["status"] not in ("succeeded", "failed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    assert state["status"] == "succeeded"
-    assert state["result"]["choices"][0]["message"]["content"] == reply.choices[0].message.content
+class TestDistributed(GatewayBehaviour):
+    pass
+
+
+class TestDistributedModelOutput(ModelOutputBehaviour):
+    pass
+
+
+def test_one_job_is_one_trace_across_the_processes(cluster):
+    reply = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": QUESTION, "max_tokens": 8},
+        timeout=120,
+    ).json()
+    job_id = reply["id"].removeprefix("chatcmpl-")
+    wanted = {"gateway", "tokenizer", "prefill", "cache", "decode"}
+    stages = {"answer chat.completions", "send requests", "tokenizer.prompt", "send prefill", "prefill", "cache.put"}
+    stages |= {"PUT /v1/state/{key}", "send decode", "decode", "cache.get", "tokenizer.output", "cache.delete"}
+    deadline = time.monotonic() + 30
+    while True:  # spans are written as they end, some after the answer has left: wait for the last ones
+        spans = job_trace(read_spans(cluster.traces), job_id)
+        if stages <= {s["name"] for s in spans}:
+            break
+        assert time.monotonic() < deadline, f"missing spans: {stages - {s['name'] for s in spans}}"
+        time.sleep(0.1)
+    assert {s["service"].removeprefix("deepmesh-") for s in spans} == wanted
+    assert len({(s["service"], s["pid"]) for s in spans}) == 5
+    assert len({s["trace_id"] for s in spans}) == 1
+    ids = {s["span_id"] for s in spans}
+    roots = [s for s in spans if s["parent_id"] is None]
+    assert [r["name"] for r in roots] == ["POST /v1/chat/completions"]
+    assert all(s["parent_id"] in ids for s in spans if s["parent_id"] is not None), "a parent link is broken"
+    by_name = {s["name"]: s for s in spans}
+    assert by_name["decode"]["parent_id"] == by_name["send decode"]["span_id"]
+    assert by_name["send decode"]["parent_id"] == by_name["prefill"]["span_id"]
+
+    printed = subprocess.run(
+        [sys.executable, "-m", "deepmesh.cli", "trace", job_id, "--file", str(cluster.traces)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert printed.splitlines()[1].startswith("POST /v1/chat/completions")
+    for service in wanted:
+        assert f"deepmesh-{service}[" in printed
+    assert "  decode" in printed  # indented under its parent
 
 
 def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(cluster, model):
@@ -180,4 +226,4 @@ def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(clu
     assert not reader.is_alive(), "the stream never finished"
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert text == one_process_text(model, body)
+    assert text == one_process_answer(model, body)["choices"][0]["message"]["content"]

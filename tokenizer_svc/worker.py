@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.bus import Bus, Record
 from common.messages import (
@@ -19,6 +19,7 @@ from common.messages import (
     payload_of,
 )
 from common.topics import Topic
+from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span
 from common.worker import Worker
 from tokenizer_svc.protocol import Codec, Event, OutputStream, ProtocolError
 
@@ -26,6 +27,8 @@ from tokenizer_svc.protocol import Codec, Event, OutputStream, ProtocolError
 @dataclass
 class _Job:
     output: OutputStream
+    span: Span  # the job's output conversion, from its first tokens to its last
+    headers: dict[str, bytes] = field(default_factory=dict)  # the span's context, on every results message
     next_tokens_seq: int = 0  # the next `tokens` seq this job expects; lower ones are replays
     next_result_seq: int = 0
 
@@ -57,12 +60,19 @@ class TokenizerWorker(Worker):
     def _on_request(self, record: Record) -> None:
         envelope = decode(record.value, "request")
         request = payload_of(envelope, RequestPayload)
+        with job_span("tokenizer.prompt", envelope.job_id, context_of(record.headers), SpanKind.CONSUMER) as span:
+            self._prompt(envelope, request, span)
+        self.watermarks.seen(record)
+
+    def _prompt(self, envelope: Envelope, request: RequestPayload, span: Span) -> None:
         try:
             prompt = self.codec.prompt(request.endpoint, request.body)
         except ProtocolError as err:
+            span.set_attribute("deepmesh.error_status", err.status_code)
             error = ResultPayload(done=True, status=err.status_code, body=json.loads(err.body))
-            self._result(envelope.job_id, 0, error)
+            self.hop(Topic.RESULTS, Envelope(type="result", job_id=envelope.job_id, payload=error.model_dump()), span)
         else:
+            span.set_attribute("deepmesh.prompt_tokens", len(prompt.token_ids))
             prefill = PrefillPayload(
                 endpoint=request.endpoint,
                 body=request.body,
@@ -72,8 +82,7 @@ class TokenizerWorker(Worker):
                 ),
             )
             message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
-            self.bus.produce(self.topic(Topic.PREFILL), envelope.job_id, message.encode())
-        self.watermarks.seen(record)
+            self.hop(Topic.PREFILL, message, span)
 
     def _on_tokens(self, record: Record, pending: dict[str, list[Event]]) -> None:
         envelope = decode(record.value, "tokens")
@@ -86,7 +95,8 @@ class TokenizerWorker(Worker):
                 self.watermarks.seen(record)
                 return
             output = self.codec.output(tokens.start.endpoint, tokens.start.body, _response_id(tokens.start, job_id))
-            job = self.jobs[job_id] = _Job(output)
+            span = start_span("tokenizer.output", job_id, context_of(record.headers), SpanKind.CONSUMER)
+            job = self.jobs[job_id] = _Job(output, span, headers_of(span))
             events = output.start(tokens.start.prompt_tokens, tokens.start.cached_tokens)
         elif envelope.seq < job.next_tokens_seq:
             self.watermarks.seen(record)  # a replayed message: already shown
@@ -97,6 +107,8 @@ class TokenizerWorker(Worker):
         events += job.output.tokens(tokens.token_ids)
         self.watermarks.hold(record, job_id)
         if tokens.finished or job.output.complete:
+            if not tokens.finished:  # a stop sequence ended the answer: decoding the rest is waste
+                self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
             events += job.output.finish(tokens.finish_reason or "stop")
             self._emit(job_id, pending.pop(job_id, []) + events, done=True)
         else:
@@ -110,15 +122,14 @@ class TokenizerWorker(Worker):
             body=job.output.body() if done else None,
             done_data=job.output.done_data if done else None,
         )
-        self._result(job_id, job.next_result_seq, result)
+        message = Envelope(type="result", job_id=job_id, seq=job.next_result_seq, payload=result.model_dump())
+        self.send(Topic.RESULTS, message, job.headers)
         job.next_result_seq += 1
         if done:
+            job.span.set_attribute("deepmesh.results_messages", job.next_result_seq)
+            job.span.end()
             del self.jobs[job_id]
             self.watermarks.release(job_id)
-
-    def _result(self, job_id: str, seq: int, result: ResultPayload) -> None:
-        message = Envelope(type="result", job_id=job_id, seq=seq, payload=result.model_dump())
-        self.bus.produce(self.topic(Topic.RESULTS), job_id, message.encode())
 
 
 def _response_id(start, job_id: str) -> str:

@@ -1,0 +1,43 @@
+"""Prometheus metrics of every service, in one registry per process.
+
+The gateway and the cache service serve them at GET /metrics; a worker process serves them
+on its own port when given `--metrics-port` (DEEPMESH_METRICS_PORT). In the embedded mode
+every service shares the gateway's /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# gateway
+REQUESTS = Counter("deepmesh_requests", "API requests answered, by endpoint and HTTP status", ["endpoint", "status"])
+REQUEST_SECONDS = Histogram(
+    "deepmesh_request_seconds", "Time from request to the answer's last byte", ["endpoint"], buckets=LATENCY_BUCKETS
+)
+TTFT_SECONDS = Histogram(
+    "deepmesh_time_to_first_token_seconds",
+    "Time from request to the first streamed event",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS,
+)
+IN_FLIGHT = Gauge("deepmesh_requests_in_flight", "API requests being answered", ["endpoint"])
+JOBS_SUBMITTED = Counter("deepmesh_jobs_submitted", "Async jobs accepted", ["endpoint"])
+
+# every worker
+CONSUMED = Counter("deepmesh_messages_consumed", "Records polled from a topic", ["service", "topic"])
+PRODUCED = Counter("deepmesh_messages_produced", "Records produced to a topic", ["service", "topic"])
+DEAD_LETTERS = Counter("deepmesh_dead_letters", "Records sent to the dead-letter topic", ["service", "topic"])
+WORKER_ERRORS = Counter("deepmesh_worker_errors", "Worker steps that failed and were retried", ["service"])
+
+# engines (prefill and decode)
+ENGINE_STEP_SECONDS = Histogram("deepmesh_engine_step_seconds", "Engine step time", ["service"], buckets=STEP_BUCKETS)
+PROMPT_TOKENS = Counter("deepmesh_prompt_tokens", "Prompt tokens prefilled", ["service"])
+GENERATED_TOKENS = Counter("deepmesh_generated_tokens", "Tokens sampled", ["service"])
+RUNNING_JOBS = Gauge("deepmesh_running_jobs", "Jobs held by a worker", ["service"])
+STATE_HANDOFFS = Counter(
+    "deepmesh_state_handoffs", "Decode starts, by how the state arrived (loaded or recomputed)", ["outcome"]
+)
+STATE_BYTES = Counter("deepmesh_state_bytes", "Bytes of state moved through the cache service", ["direction"])

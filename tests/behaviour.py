@@ -1,0 +1,370 @@
+"""What a client of the gateway sees, whatever the deployment.
+
+The same tests run against the embedded mode (tests/test_gateway.py: every service in one
+process over the in-process bus) and the distributed mode (tests/test_distributed.py:
+every service in its own OS process over Apache Kafka and PostgreSQL). Both modules provide:
+
+* `service`: url, model (checkpoint path), decode_running() and state_entries();
+* `scripted`: url and stage, a gateway and tokenizer whose prefill and decode are a
+  ScriptedModel (see there).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+import uvicorn
+from tokenizers import Tokenizer
+
+from common.bus import Bus
+from common.messages import Envelope, JobStart, PrefillPayload, TokensPayload, decode
+from common.topics import Topic, topic_name
+from engine import LLMEngine, SamplingParams
+from tokenizer_svc.protocol import Codec
+
+MODEL = "deepmesh-tiny"
+QUESTION = [{"role": "user", "content": "What is a Kafka partition?"}]
+GREEDY = {"temperature": 0, "extra_body": {"thinking": {"type": "disabled"}}}  # no thinking: 0 stays greedy
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+TOOL_CALL_MARKUP = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn on a thread, on a free port."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def one_process_answer(model: Path, body: dict, endpoint: str = "chat.completions") -> dict:
+    """The complete response to a greedy request, computed by the engine in this process."""
+    codec = Codec.for_model(model, MODEL)
+    prompt = codec.prompt(endpoint, body)
+    assert prompt.temperature == 0, "compare greedy requests only"
+    engine = LLMEngine.from_pretrained(model)
+    out = engine.generate([prompt.token_ids], SamplingParams(max_tokens=prompt.max_tokens, temperature=0))[0]
+    stream = codec.output(endpoint, body, "reference")
+    stream.start(len(prompt.token_ids))
+    stream.tokens(out.token_ids)
+    stream.finish(out.finish_reason)
+    return stream.body()
+
+
+class ScriptedModel:
+    """Stands in for prefill and decode: answers each prefill message with the tokens of `reply`.
+
+    A random-weight model never decides to call a tool or to close its reasoning, so this
+    stage writes what such a model would, as token ids on the `tokens` topic, the way decode
+    does. Everything a client's request and its answer pass through (gateway, Kafka or the
+    in-process bus, the tokenizer service with deepseek-recipe) is the real thing.
+    """
+
+    def __init__(self, bus: Bus, prefix: str, model: Path):
+        self.bus, self.prefix = bus, prefix
+        self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        self.eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+        self.reply = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> ScriptedModel:
+        self._consumer = self.bus.consumer([topic_name(Topic.PREFILL, self.prefix)], f"{self.prefix}scripted")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for record in self._consumer.poll(timeout=0.2):
+                    envelope = decode(record.value, "prefill")
+                    request = PrefillPayload.model_validate(envelope.payload)
+                    ids = [*self.tokenizer.encode(self.reply, add_special_tokens=False).ids, self.eos]
+                    start = JobStart(
+                        endpoint=request.endpoint, body=request.body, prompt_tokens=len(request.prompt_token_ids)
+                    )
+                    first = TokensPayload(start=start, token_ids=ids[:1])
+                    rest = TokensPayload(token_ids=ids[1:], finished=True, finish_reason="stop")
+                    for seq, payload in enumerate((first, rest)):
+                        message = Envelope(type="tokens", job_id=envelope.job_id, seq=seq, payload=payload.model_dump())
+                        self.bus.produce(topic_name(Topic.TOKENS, self.prefix), envelope.job_id, message.encode())
+                self._consumer.commit()
+        finally:
+            self._consumer.close()
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str | None, str]]:
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            events.append((name, line.removeprefix("data: ")))
+            name = None
+    return events
+
+
+def wait_for_status(url: str, job_id: str, wanted: set[str], timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
+        if job["status"] in wanted:
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} still {job['status']}")
+
+
+def eventually(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class SDKClients:
+    """The official SDKs pointed at the gateway under test (subclasses say which, as `url`)."""
+
+    @pytest.fixture
+    def oai(self, url) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    @pytest.fixture
+    def claude(self, url) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+class GatewayBehaviour(SDKClients):
+    @pytest.fixture
+    def url(self, service) -> str:
+        return service.url
+
+    def test_chat_completions_stream_and_not_match_one_process(self, service, oai):
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 20, "temperature": 0}
+        expected = one_process_answer(service.model, {**body, **GREEDY["extra_body"]})["choices"][0]
+        reply = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, **GREEDY)
+        choice = reply.choices[0]
+        assert choice.message.content == expected["message"]["content"]
+        assert choice.finish_reason == expected["finish_reason"]
+        assert reply.usage.completion_tokens == 20 and reply.usage.prompt_tokens > 5
+
+        chunks = list(oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, stream=True, **GREEDY))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+
+    def test_responses_stream_and_not(self, oai):
+        reply = oai.responses.create(model=MODEL, input="What is a Kafka partition?", max_output_tokens=10)
+        assert reply.status in ("completed", "incomplete") and reply.usage.output_tokens == 10
+        events = list(oai.responses.create(model=MODEL, input="Hi", max_output_tokens=6, stream=True))
+        assert events[0].type == "response.created"
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert events[-1].response.usage.output_tokens == 6
+
+    def test_messages_stream_and_not(self, claude):
+        reply = claude.messages.create(model=MODEL, max_tokens=10, messages=QUESTION)
+        assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 10
+        with claude.messages.stream(model=MODEL, max_tokens=8, messages=QUESTION) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+        assert final.usage.output_tokens == 8
+
+    def test_a_stop_sequence_ends_the_answer_and_its_decoding(self, service, oai):
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 40, "temperature": 0}
+        text = one_process_answer(service.model, {**body, **GREEDY["extra_body"]})["choices"][0]["message"]["content"]
+        stop = text[len(text) // 3 : len(text) // 3 + 4]
+        assert stop.strip() and text.index(stop) > 0
+        # far more tokens than the stop needs: the job must end at the stop, not at max_tokens
+        reply = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3000, stop=[stop], **GREEDY)
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.choices[0].message.content == text[: text.index(stop)]
+        eventually(lambda: service.decode_running() == 0, 10, "decode kept generating after the stop sequence")
+
+    def test_models_health_and_metrics(self, service, oai):
+        assert [m.id for m in oai.models.list()] == [MODEL]
+        assert httpx.get(f"{service.url}/healthz").json() == {"status": "ok"}
+        assert httpx.get(f"{service.url}/readyz").status_code == 200
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+        scraped = httpx.get(f"{service.url}/metrics").text
+        assert 'deepmesh_requests_total{endpoint="chat.completions",status="200"}' in scraped
+        assert "deepmesh_time_to_first_token_seconds_bucket" in scraped
+
+    def test_errors_use_each_protocols_body(self, service, oai, claude):
+        with pytest.raises(openai.BadRequestError, match="unknown-model"):
+            oai.chat.completions.create(model="unknown-model", messages=QUESTION)
+        with pytest.raises(openai.BadRequestError):
+            oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10**7)
+        with pytest.raises(openai.BadRequestError):
+            oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=-1)
+        with pytest.raises(openai.BadRequestError, match="Invalid schema"):
+            bad_schema = {"type": "object", "properties": "not an object"}
+            oai.chat.completions.create(
+                model=MODEL,
+                messages=QUESTION,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": bad_schema}}],
+            )
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            claude.messages.create(model=MODEL, max_tokens=5, messages=[])
+        assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "invalid_request_error"
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            claude.messages.create(
+                model=MODEL,
+                max_tokens=5,
+                messages=QUESTION,
+                tools=[{"name": "bad name!", "input_schema": {"type": "object"}}],
+            )
+        assert caught.value.body["type"] == "error"
+        malformed = httpx.post(f"{service.url}/v1/chat/completions", content=b"{not json", timeout=30)
+        assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]["message"]
+        listed = httpx.post(f"{service.url}/v1/messages", json=[1, 2], timeout=30)
+        assert listed.status_code == 400 and listed.json()["type"] == "error"
+        huge = httpx.post(f"{service.url}/v1/responses", content=b"x" * (9 << 20), timeout=30)
+        assert huge.status_code == 413
+
+    def test_async_job_submit_poll_and_replay(self, service):
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 10, "stream": True}  # a job never streams
+        submitted = httpx.post(
+            f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}, timeout=30
+        )
+        assert submitted.status_code == 202
+        job = submitted.json()
+        assert job["status"] == "queued" and job["object"] == "job"
+        done = wait_for_status(service.url, job["id"], {"succeeded", "failed"})
+        assert done["status"] == "succeeded"
+        assert done["result"]["object"] == "chat.completion" and done["usage"]["completion_tokens"] == 10
+        assert done["started_at"] >= done["created_at"] and done["finished_at"] >= done["started_at"]
+        for _ in range(2):  # replayable from the start, as often as asked
+            with httpx.stream("GET", f"{service.url}/v1/jobs/{job['id']}/events", timeout=30) as response:
+                events = sse_events(response)
+            chunks = [json.loads(data) for name, data in events if name is None and data != "[DONE]"]
+            assert chunks[0]["object"] == "chat.completion.chunk"
+            assert ("job.succeeded" in [name for name, _ in events]) and (None, "[DONE]") in events
+
+    def test_cancelling_a_job_stops_decode_and_frees_its_state(self, service):
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 3000, "thinking": {"type": "disabled"}}
+        job = httpx.post(f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}).json()
+        wait_for_status(service.url, job["id"], {"running"})
+        assert service.decode_running() == 1
+        cancelled = httpx.delete(f"{service.url}/v1/jobs/{job['id']}").json()
+        assert cancelled["status"] == "cancelled"
+        eventually(lambda: service.decode_running() == 0, 30, "decode kept the cancelled job")
+        eventually(lambda: service.state_entries() == 0, 30, "the cancelled job's state was not freed")
+        time.sleep(0.5)
+        assert httpx.get(f"{service.url}/v1/jobs/{job['id']}").json()["status"] == "cancelled"
+
+    def test_job_errors(self, service):
+        url = service.url
+        missing = httpx.get(f"{url}/v1/jobs/nope")
+        assert missing.status_code == 404 and "no job nope" in missing.json()["error"]["message"]
+        assert httpx.delete(f"{url}/v1/jobs/nope").status_code == 404
+        assert httpx.get(f"{url}/v1/jobs/nope/events").status_code == 404
+        bad = httpx.post(f"{url}/v1/jobs", json={"endpoint": "embeddings", "body": {}})
+        assert bad.status_code == 400 and "endpoint must be" in bad.json()["error"]["message"]
+        failing = {"endpoint": "messages", "body": {"model": MODEL, "max_tokens": 5, "messages": []}}
+        failed = wait_for_status(url, httpx.post(f"{url}/v1/jobs", json=failing).json()["id"], {"succeeded", "failed"})
+        assert failed["status"] == "failed" and "message" in json.dumps(failed["error"])
+
+
+class ModelOutputBehaviour(SDKClients):
+    """Tool calls and reasoning, as a model writes them, parsed into each protocol's shape."""
+
+    @pytest.fixture
+    def url(self, scripted) -> str:
+        return scripted.url
+
+    def test_tool_calls(self, scripted, oai, claude):
+        scripted.stage.reply = TOOL_CALL_MARKUP
+        no_thinking = {"thinking": {"type": "disabled"}}
+        reply = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, extra_body=no_thinking)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+        chunks = list(
+            oai.chat.completions.create(
+                model=MODEL, messages=QUESTION, tools=TOOLS, extra_body=no_thinking, stream=True
+            )
+        )
+        streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert streamed[0].function.name == "get_weather"
+        assert json.loads("".join(tc.function.arguments or "" for tc in streamed)) == {"city": "Paris"}
+
+        anthropic_tool = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+        message = claude.messages.create(model=MODEL, max_tokens=64, messages=QUESTION, tools=[anthropic_tool])
+        assert message.stop_reason == "tool_use"
+        (use,) = [block for block in message.content if block.type == "tool_use"]
+        assert use.name == "get_weather" and use.input == {"city": "Paris"}
+
+        response = oai.responses.create(
+            model=MODEL,
+            input="What is the weather in Paris?",
+            tools=[{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}],
+            reasoning={"effort": "none"},
+        )
+        (call,) = [item for item in response.output if item.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+
+    def test_reasoning_is_separated_from_the_answer(self, scripted, oai, claude):
+        scripted.stage.reply = "The user wants the weather.</think>It is sunny in Paris."
+        reply = oai.chat.completions.create(model=MODEL, messages=QUESTION)
+        message = reply.choices[0].message
+        assert message.reasoning_content == "The user wants the weather."
+        assert message.content == "It is sunny in Paris." and reply.choices[0].finish_reason == "stop"
+
+        answer = claude.messages.create(
+            model=MODEL, max_tokens=64, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 32}
+        )
+        assert [block.type for block in answer.content] == ["thinking", "text"]
+        assert answer.content[0].thinking == "The user wants the weather."
+        assert answer.content[1].text == "It is sunny in Paris."
+
+        with claude.messages.stream(
+            model=MODEL, max_tokens=64, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 32}
+        ) as stream:
+            final = stream.get_final_message()
+        assert [block.type for block in final.content] == ["thinking", "text"]
