@@ -51,9 +51,14 @@ class Consumer(Protocol):
 
 
 class Bus(Protocol):
+    busy_poll_timeout: float  # how long a worker with jobs in flight waits for records between steps
+
     def create_topics(self, names: Iterable[str], partitions: int) -> None: ...
 
     def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None: ...
+
+    def produce_batch(self, topic: str, records: list[tuple[str, bytes, Headers | None]]) -> None:
+        """Several (key, value, headers) at once, in order per key; returns once all are stored."""
 
     def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> Consumer:
         """A group member; a group with no committed offsets starts at the oldest record, or with
@@ -72,6 +77,8 @@ def partition_for(key: str, partitions: int) -> int:
 class MemoryBus:
     """Kafka's delivery model inside one process, for the embedded mode and fast tests."""
 
+    busy_poll_timeout = 0.0  # a poll sees every record already produced
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._logs: dict[str, list[list[Record]]] = {}
@@ -84,12 +91,17 @@ class MemoryBus:
                 self._logs.setdefault(name, [[] for _ in range(partitions)])
 
     def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None:
+        self.produce_batch(topic, [(key, value, headers)])
+
+    def produce_batch(self, topic: str, records: list[tuple[str, bytes, Headers | None]]) -> None:
         with self._lock:
             if topic not in self._logs:
                 raise KeyError(f"unknown topic {topic!r} (create it first)")
             log = self._logs[topic]
-            part = partition_for(key, len(log))
-            log[part].append(Record(topic, part, len(log[part]), key, value, dict(headers or {})))
+            for key, value, headers in records:
+                part = partition_for(key, len(log))
+                log[part].append(Record(topic, part, len(log[part]), key, value, dict(headers or {})))
+            # one wake-up per batch: a consumer then takes the whole step's records in one poll
             for members in self._members.values():
                 for member in members:
                     if topic in member.topics:
@@ -186,6 +198,10 @@ class MemoryConsumer:
 class KafkaBus:
     """kafka-python: an idempotent acks=all producer, consumer groups with manual commits."""
 
+    # never zero: a zero-timeout poll lets kafka-python skip its network round, and new jobs
+    # then starve behind running ones
+    busy_poll_timeout = 0.002
+
     def __init__(self, bootstrap: str, client_id: str = "deepmesh"):
         from kafka import KafkaProducer
 
@@ -215,10 +231,16 @@ class KafkaBus:
             admin.close()
 
     def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None:
-        future = self._producer.send(
-            topic, key=key.encode(), value=value, headers=[(k, v) for k, v in (headers or {}).items()]
-        )
-        future.get(timeout=30)
+        self.produce_batch(topic, [(key, value, headers)])
+
+    def produce_batch(self, topic: str, records: list[tuple[str, bytes, Headers | None]]) -> None:
+        # all sent before any is awaited: one round trip to the broker for the batch, not one each
+        futures = [
+            self._producer.send(topic, key=key.encode(), value=value, headers=list((headers or {}).items()))
+            for key, value, headers in records
+        ]
+        for future in futures:
+            future.get(timeout=30)
 
     def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> KafkaConsumerAdapter:
         return KafkaConsumerAdapter(self.bootstrap, list(topics), group, self.client_id, from_beginning)

@@ -112,6 +112,11 @@ def context_of(headers: Mapping[str, bytes] | Mapping[str, str] | None) -> Conte
     return propagate.extract(carrier)
 
 
+def sender_span(headers: Mapping[str, bytes] | None) -> Span:
+    """The span that produced a record (not recording here): what a log line about the record belongs to."""
+    return trace.get_current_span(context_of(headers))
+
+
 def start_span(
     name: str, job_id: str, parent: Context | Span | None = None, kind: SpanKind = SpanKind.INTERNAL, **attributes
 ) -> Span:

@@ -15,7 +15,7 @@ from common import metrics
 from common.bus import Bus, Headers, Record
 from common.messages import BadMessage, DeadLetter, Envelope
 from common.topics import Topic, topic_name
-from common.tracing import Context, Span, SpanKind, headers_of, job_span
+from common.tracing import Context, Span, SpanKind, headers_of, job_span, sender_span, within
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,13 @@ class Worker:
     def run_once(self, timeout: float = 0.1) -> None:
         if self._consumer is None:
             self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.consumer_group)
-        # busy: only a glance at the bus between engine steps, but never a zero timeout, which
-        # lets a Kafka client skip its network round and starve new jobs behind running ones
-        records = self._consumer.poll(timeout=0.002 if self.busy else timeout)
+        # busy: only a glance at the bus between engine steps (see Bus.busy_poll_timeout)
+        records = self._consumer.poll(timeout=self.bus.busy_poll_timeout if self.busy else timeout)
         if records:
             for r in records:
-                log.debug("%s: %s[%d]@%d key=%s", self.group, r.topic, r.partition, r.offset, r.key)
+                if log.isEnabledFor(logging.DEBUG):  # in the record's trace, with its job: the key
+                    with within(sender_span(r.headers), r.key):
+                        log.debug("%s: %s[%d]@%d", self.group, r.topic, r.partition, r.offset)
                 metrics.CONSUMED.labels(self.group, r.topic.removeprefix(self.prefix)).inc()
             self.handle(records)
         self.idle()
@@ -95,16 +96,7 @@ class Worker:
             self._committed = offsets
 
     def run(self, stop: threading.Event) -> None:
-        try:
-            while not stop.is_set():
-                try:
-                    self.run_once()
-                except Exception:  # a worker outlives any one failure: at-least-once replays the work
-                    log.exception("%s worker: step failed; continuing", self.group)
-                    metrics.WORKER_ERRORS.labels(self.group).inc()
-                    stop.wait(1.0)
-        finally:
-            self.close()
+        run_workers([self], stop)
 
     def close(self) -> None:
         if self._consumer is not None:
@@ -114,8 +106,13 @@ class Worker:
 
     def send(self, topic: Topic, envelope: Envelope, headers: Headers | None = None) -> None:
         """Produce a job's message downstream (keyed by its job id, so a job's messages stay in order)."""
-        self.bus.produce(self.topic(topic), envelope.job_id, envelope.encode(), headers)
-        metrics.PRODUCED.labels(self.group, topic.value).inc()
+        self.send_batch(topic, [(envelope, headers)])
+
+    def send_batch(self, topic: Topic, messages: list[tuple[Envelope, Headers | None]]) -> None:
+        """Produce several jobs' messages at once (a step's tokens, a poll's results)."""
+        if messages:
+            self.bus.produce_batch(self.topic(topic), [(e.job_id, e.encode(), h) for e, h in messages])
+            metrics.PRODUCED.labels(self.group, topic.value).inc(len(messages))
 
     def hop(self, topic: Topic, envelope: Envelope, parent: Context | Span | None) -> None:
         """Send a job on to its next stage in a producer span, whose context the record carries."""
@@ -129,3 +126,28 @@ class Worker:
         self.bus.produce(self.topic(Topic.DEAD_LETTER), record.key, letter.model_dump_json().encode())
         metrics.DEAD_LETTERS.labels(self.group, record.topic.removeprefix(self.prefix)).inc()
         self.watermarks.seen(record)
+
+
+def run_workers(workers: list[Worker], stop: threading.Event) -> None:
+    """Run workers in turn on the calling thread until `stop` is set; each outlives any one failure.
+
+    The embedded mode runs its prefill and decode workers together this way: PyTorch on CPU
+    slows down ~1.7x as soon as two threads of a process run parallel operators (each gets an
+    OpenMP pool, together they oversubscribe the cores, and the pools stop spinning between
+    operators), so a process has one thread that runs engines.
+    """
+    try:
+        while not stop.is_set():
+            # while any of them has work in flight, the others only glance at the bus
+            busy = any(w.busy for w in workers)
+            timeout = workers[0].bus.busy_poll_timeout if busy else 0.1 / len(workers)
+            for worker in workers:
+                try:
+                    worker.run_once(timeout)
+                except Exception:  # at-least-once delivery replays whatever the failed step was doing
+                    log.exception("%s worker: step failed; continuing", worker.group)
+                    metrics.WORKER_ERRORS.labels(worker.group).inc()
+                    stop.wait(1.0)
+    finally:
+        for worker in workers:
+            worker.close()

@@ -108,7 +108,7 @@ class DecodeWorker(Worker):
             return
         self.engine.abort(job_id)
         tokens = TokensPayload(finished=True, finish_reason="abort")
-        self._tokens(job, job_id, tokens)
+        self.send(Topic.TOKENS, self._tokens_message(job, job_id, tokens), job.headers)
         self._finish(job_id, job, "cancelled")
 
     def _fetch(self, payload: DecodePayload) -> StateSnapshot | None:
@@ -131,16 +131,21 @@ class DecodeWorker(Worker):
         started = time.perf_counter()
         outputs = self.engine.step()
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(time.perf_counter() - started)
+        step: list[tuple[Envelope, dict[str, bytes]]] = []
+        finished: list[tuple[str, _Job, str]] = []
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
             metrics.GENERATED_TOKENS.labels(self.group).inc(len(out.new_token_ids))
             tokens = TokensPayload(token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason)
-            self._tokens(job, out.request_id, tokens)
+            step.append((self._tokens_message(job, out.request_id, tokens), job.headers))
             if out.finished:
                 del self.jobs[out.request_id]
-                self._finish(out.request_id, job, out.finish_reason or "stop")
+                finished.append((out.request_id, job, out.finish_reason or "stop"))
+        self.send_batch(Topic.TOKENS, step)  # every job's tokens of this step, in one batch
+        for job_id, job, reason in finished:
+            self._finish(job_id, job, reason)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
     def _finish(self, job_id: str, job: _Job, outcome: str) -> None:
@@ -153,7 +158,7 @@ class DecodeWorker(Worker):
                     self.store.delete(job.payload.kv.key)
         self.watermarks.release(job_id)
 
-    def _tokens(self, job: _Job, job_id: str, tokens: TokensPayload) -> None:
+    def _tokens_message(self, job: _Job, job_id: str, tokens: TokensPayload) -> Envelope:
         message = Envelope(type="tokens", job_id=job_id, seq=job.next_seq, payload=tokens.model_dump())
-        self.send(Topic.TOKENS, message, job.headers)
         job.next_seq += 1
+        return message

@@ -111,6 +111,9 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
     import uvicorn
 
     from common.bus import MemoryBus
@@ -127,12 +130,24 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"making a tiny random-weight model in {model}", file=sys.stderr)
             make_model(model, "tiny", seed=0)
     bus = MemoryBus()
-    mesh = Mesh(model, bus, Path(".cache/state"), served_model=args.served_model_name).start()
+    mesh = Mesh(model, bus, Path(".cache/state"), served_model=args.served_model_name)
+    mesh.start([mesh.tokenizer])
     app = create_app(bus, "deepmesh.", [args.served_model_name], JobStore(Settings().database_url))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise ValueError(f"could not serve on {args.host}:{args.port}")
+        time.sleep(0.05)
     print(f"deepmesh serving {args.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: mesh.stopping.set())
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        mesh.run_engines()  # on this thread, which loaded the model: the only one that runs PyTorch
     finally:
+        server.should_exit = True
+        http.join(timeout=30)
         mesh.stop()
     return 0
 

@@ -1,7 +1,9 @@
-"""Every worker of the mesh in one process, each on its own thread, over one bus.
+"""Every worker of the mesh in one process, over one bus.
 
 The embedded default (`deepmesh serve`) and the end-to-end tests use this; in distributed
-mode each worker runs in its own process (and any number of replicas) over Kafka.
+mode each worker runs in its own process (and any number of replicas) over Kafka. The
+engine workers (prefill and decode) take turns on one thread, the thread that loaded the
+model at best (see common.worker.run_workers); the tokenizer has a thread of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 from cache_svc.store import StateStore
 from common.bus import Bus
 from common.topics import all_topic_names
-from common.worker import Worker
+from common.worker import Worker, run_workers
 from decode_svc.worker import DecodeWorker
 from engine import LLMEngine
 from prefill_svc.worker import PrefillWorker
@@ -42,19 +44,32 @@ class Mesh:
         self.prefill = PrefillWorker(bus, topic_prefix, prefill_engine, self.store)
         self.decode = DecodeWorker(bus, topic_prefix, decode_engine, self.store)
         self.workers: list[Worker] = [self.tokenizer, self.prefill, self.decode]
-        self._stop = threading.Event()
+        self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
 
+    @property
+    def engine_workers(self) -> list[Worker]:
+        return [self.prefill, self.decode]
+
     def start(self, workers: list[Worker] | None = None) -> Mesh:
-        """Run the workers (by default all of them), each on its own thread."""
-        for worker in workers if workers is not None else self.workers:
-            thread = threading.Thread(target=worker.run, args=(self._stop,), name=worker.group, daemon=True)
+        """Run the workers (by default all of them) on background threads, engine workers on one thread."""
+        workers = workers if workers is not None else self.workers
+        engines = [w for w in workers if isinstance(w, (PrefillWorker, DecodeWorker))]
+        groups = [[w] for w in workers if w not in engines] + ([engines] if engines else [])
+        for group in groups:
+            name = "+".join(w.group for w in group)
+            thread = threading.Thread(target=run_workers, args=(group, self.stopping), name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
 
+    def run_engines(self, until: threading.Event | None = None) -> None:
+        """Run prefill and decode on the calling thread until stop() (or `until` is set): `deepmesh
+        serve` gives them its main thread, which loaded the model, so no second thread runs PyTorch."""
+        run_workers(self.engine_workers, until or self.stopping)
+
     def stop(self) -> None:
-        self._stop.set()
+        self.stopping.set()
         for thread in self._threads:
             thread.join(timeout=30)
         self._threads.clear()

@@ -13,6 +13,7 @@ import json
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -80,13 +81,17 @@ class ResultRouter:
             consumer.wait_assigned(timeout=60)
             self.ready.set()
             while not self._stop.is_set():
+                # a poll's results reach each event loop in one wake-up, not one per message
+                batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, ResultPayload]]] = {}
                 for record in consumer.poll(timeout=0.2):
-                    self._dispatch(record.value)
+                    self._route(record.value, batches)
+                for loop, deliveries in batches.items():
+                    loop.call_soon_threadsafe(_deliver, deliveries)
                 consumer.commit()
         finally:
             consumer.close()
 
-    def _dispatch(self, raw: bytes) -> None:
+    def _route(self, raw: bytes, batches: dict) -> None:
         try:
             envelope = decode(raw, "result")
             result = ResultPayload.model_validate(envelope.payload)
@@ -97,7 +102,12 @@ class ResultRouter:
             if watch is None or envelope.seq != watch.next_seq:
                 return  # another gateway's job, or a replay of a message already delivered
             watch.next_seq += 1
-        watch.loop.call_soon_threadsafe(watch.queue.put_nowait, result)
+        batches.setdefault(watch.loop, []).append((watch.queue, result))
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, ResultPayload]]) -> None:
+    for queue, result in deliveries:
+        queue.put_nowait(result)
 
 
 @dataclass
@@ -111,6 +121,9 @@ class JobRecorder:
     store: JobStore
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    # Ids with nothing to record: synchronous calls (most of the traffic) and ended jobs. A job's
+    # row is written before its request is produced, so one lookup per id settles it.
+    _ignored: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="job-recorder", daemon=True)
@@ -131,10 +144,15 @@ class JobRecorder:
                         result = ResultPayload.model_validate(envelope.payload)
                     except ValueError:
                         continue
+                    if envelope.job_id in self._ignored:
+                        continue
                     events = [(e.name, e.data) for e in result.events]
-                    self.store.record(
+                    if not self.store.record(
                         envelope.job_id, envelope.seq, events, result.done, result.status, result.body, result.done_data
-                    )
+                    ):
+                        self._ignored[envelope.job_id] = None
+                        if len(self._ignored) > 100_000:
+                            self._ignored.popitem(last=False)
                 consumer.commit()
         finally:
             consumer.close()
@@ -278,17 +296,24 @@ def create_app(
         return JSONResponse(result.body, status_code=result.status)
 
     async def sse(call: _Call, result: ResultPayload, queue: asyncio.Queue) -> AsyncIterator[bytes]:
-        """Each event as it arrives: `event:` when the protocol names it, then `data:`."""
+        """Events as they arrive, each `event:` (when the protocol names it) and `data:`; what
+        arrived together goes out in one write."""
         try:
+            arrived = [result]
             while True:
-                for event in result.events:
-                    name = f"event: {event.name}\n" if event.name else ""
-                    yield f"{name}data: {event.data}\n\n".encode()
+                frames = []
+                for result in arrived:
+                    for event in result.events:
+                        name = f"event: {event.name}\n" if event.name else ""
+                        frames.append(f"{name}data: {event.data}\n\n")
+                    if result.done and result.done_data is not None:
+                        frames.append(f"data: {result.done_data}\n\n")
+                yield "".join(frames).encode()
                 if result.done:
-                    if result.done_data is not None:
-                        yield f"data: {result.done_data}\n\n".encode()
                     return
-                result = await asyncio.wait_for(queue.get(), timeout=result_timeout)
+                arrived = [await asyncio.wait_for(queue.get(), timeout=result_timeout)]
+                while not arrived[-1].done and not queue.empty():
+                    arrived.append(queue.get_nowait())
         finally:
             router.forget(call.job_id)
             call.end(200)

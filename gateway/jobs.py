@@ -106,17 +106,18 @@ class JobStore:
         status: int,
         body,
         done_data,
-    ) -> None:
-        """Store one results message of a job: its events and, when done, the outcome.
+    ) -> bool:
+        """Store one results message of a job: its events and, when done, the outcome. False when
+        there is nothing more to store for this id: not an async job, or one that has ended.
 
         Idempotent: a replayed message (its first event already stored) changes nothing.
         """
         with self.session.begin() as s:
             job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.status in FINAL:
-                return
+                return False
             if events and s.get(JobEvent, (job_id, first_seq)) is not None:
-                return
+                return True
             for i, (name, data) in enumerate(events):
                 s.add(JobEvent(job_id=job_id, seq=first_seq + i, name=name, data=data))
             now = time.time()
@@ -125,7 +126,7 @@ class JobStore:
             if done:
                 job.status = "succeeded" if status == 200 else "failed"
                 job.finished_at, job.status_code, job.result, job.done_data = now, status, body, done_data
-            return True
+            return not done
 
     def cancel(self, job_id: str) -> Job | None:
         with self.session.begin() as s:

@@ -183,6 +183,14 @@ def test_one_job_is_one_trace_across_the_processes(cluster):
     assert by_name["decode"]["parent_id"] == by_name["send decode"]["span_id"]
     assert by_name["send decode"]["parent_id"] == by_name["prefill"]["span_id"]
 
+    # the services' logs are JSON lines that name the job and its trace (besides one plain start-up line)
+    logs = [line for log in cluster.root.glob("*.log") for line in log.read_text().splitlines()]
+    assert all(line.startswith("{") for line in logs if "running" not in line and " on http" not in line)
+    logged = [json.loads(line) for line in logs if line.startswith("{")]
+    lines = [entry for entry in logged if entry.get("job_id") == job_id]
+    assert {entry["service"] for entry in lines} >= {"tokenizer", "prefill", "decode"}
+    assert {entry["trace_id"] for entry in lines} == {spans[0]["trace_id"]}
+
     printed = subprocess.run(
         [sys.executable, "-m", "deepmesh.cli", "trace", job_id, "--file", str(cluster.traces)],
         capture_output=True,

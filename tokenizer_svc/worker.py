@@ -46,16 +46,23 @@ class TokenizerWorker(Worker):
         # a job's tokens messages from one poll become one results message: when the worker
         # falls behind, it catches up in fewer, larger messages instead of falling further behind
         pending: dict[str, list[Event]] = {}
+        finished: dict[str, list[Event]] = {}
         for record in records:
             try:
                 if record.topic == self.topic(Topic.REQUESTS):
                     self._on_request(record)
                 else:
-                    self._on_tokens(record, pending)
+                    self._on_tokens(record, pending, finished)
             except BadMessage as err:
                 self.dead_letter(record, err)
-        for job_id, events in pending.items():
-            self._emit(job_id, events, done=False)
+        results = [self._result(job_id, events, done=False) for job_id, events in pending.items()]
+        results += [self._result(job_id, events, done=True) for job_id, events in finished.items()]
+        self.send_batch(Topic.RESULTS, results)
+        for job_id in finished:  # only now that its last results are stored may its records be committed
+            job = self.jobs.pop(job_id)
+            job.span.set_attribute("deepmesh.results_messages", job.next_result_seq)
+            job.span.end()
+            self.watermarks.release(job_id)
 
     def _on_request(self, record: Record) -> None:
         envelope = decode(record.value, "request")
@@ -84,13 +91,13 @@ class TokenizerWorker(Worker):
             message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
             self.hop(Topic.PREFILL, message, span)
 
-    def _on_tokens(self, record: Record, pending: dict[str, list[Event]]) -> None:
+    def _on_tokens(self, record: Record, pending: dict[str, list[Event]], finished: dict[str, list[Event]]) -> None:
         envelope = decode(record.value, "tokens")
         tokens = payload_of(envelope, TokensPayload)
         job_id = envelope.job_id
-        job = self.jobs.get(job_id)
+        job = None if job_id in finished else self.jobs.get(job_id)  # ended earlier in this poll: nothing to add
         if job is None:
-            if envelope.seq != 0 or tokens.start is None:
+            if envelope.seq != 0 or tokens.start is None or job_id in finished:
                 # the job finished here already (this is a replay), or its start was never seen
                 self.watermarks.seen(record)
                 return
@@ -110,11 +117,12 @@ class TokenizerWorker(Worker):
             if not tokens.finished:  # a stop sequence ended the answer: decoding the rest is waste
                 self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
             events += job.output.finish(tokens.finish_reason or "stop")
-            self._emit(job_id, pending.pop(job_id, []) + events, done=True)
+            finished[job_id] = pending.pop(job_id, []) + events
         else:
             pending.setdefault(job_id, []).extend(events)
 
-    def _emit(self, job_id: str, events: list[Event], done: bool) -> None:
+    def _result(self, job_id: str, events: list[Event], done: bool) -> tuple[Envelope, dict[str, bytes]]:
+        """The job's next results message, carrying these events."""
         job = self.jobs[job_id]
         result = ResultPayload(
             events=[StreamEvent(name=e.name, data=e.data) for e in events],
@@ -123,13 +131,8 @@ class TokenizerWorker(Worker):
             done_data=job.output.done_data if done else None,
         )
         message = Envelope(type="result", job_id=job_id, seq=job.next_result_seq, payload=result.model_dump())
-        self.send(Topic.RESULTS, message, job.headers)
         job.next_result_seq += 1
-        if done:
-            job.span.set_attribute("deepmesh.results_messages", job.next_result_seq)
-            job.span.end()
-            del self.jobs[job_id]
-            self.watermarks.release(job_id)
+        return message, job.headers
 
 
 def _response_id(start, job_id: str) -> str:
