@@ -124,6 +124,40 @@ class LLMEngine:
         Tokens generated before the hand-over count towards max_tokens; their logprobs stay
         with the engine that produced them.
         """
+        self._check_snapshot(snapshot)
+        prompt, outputs = snapshot.token_ids[: snapshot.prompt_len], snapshot.token_ids[snapshot.prompt_len :]
+        seq = self._resumed_sequence(request_id, prompt, outputs, sampling_params, snapshot.seed)
+        return self._load(seq, snapshot)
+
+    def import_prefix(
+        self,
+        request_id: str,
+        snapshot: StateSnapshot,
+        prompt_token_ids: SequenceOf[int],
+        sampling_params: SamplingParams,
+    ) -> bool:
+        """Start a request whose prompt begins with the tokens a snapshot's state was computed from:
+        load that state and prefill only the rest of the prompt.
+
+        The outcome is the same as add_request's: the state after a prefix does not depend on
+        what follows it, and prefill resumed at any position computes what one pass would.
+        At least one prompt token must remain to compute (its logits give the first output
+        token). Returns False, like import_state, when there was no room and the whole prompt
+        was queued for prefill instead.
+        """
+        self._check_snapshot(snapshot)
+        prompt = self._validate_tokens(prompt_token_ids)
+        cached = snapshot.num_computed
+        if cached >= len(prompt):
+            raise SnapshotError(f"a {cached}-token prefix leaves nothing to compute of a {len(prompt)}-token prompt")
+        if list(snapshot.token_ids[:cached]) != prompt[:cached]:
+            raise SnapshotError("the snapshot's tokens are not a prefix of the prompt")
+        self.add_request(request_id, prompt, sampling_params)
+        seq = self.seqs[request_id]
+        self.scheduler.waiting.remove(seq)
+        return self._load(seq, snapshot)
+
+    def _check_snapshot(self, snapshot: StateSnapshot) -> None:
         if snapshot.layout != self.layout:
             raise SnapshotError(f"snapshot layout {snapshot.layout} is not this engine's ({self.layout})")
         if not (snapshot.prompt_len > 0 and 0 < snapshot.num_computed <= len(snapshot.token_ids)):
@@ -137,8 +171,10 @@ class LLMEngine:
         shapes = {name: tuple(t.shape) for name, t in snapshot.slot.items()}
         if shapes != self.cache.slot_shapes():
             raise SnapshotError("snapshot slot state does not match this engine's layout")
-        prompt, outputs = snapshot.token_ids[: snapshot.prompt_len], snapshot.token_ids[snapshot.prompt_len :]
-        seq = self._resumed_sequence(request_id, prompt, outputs, sampling_params, snapshot.seed)
+
+    def _load(self, seq: Sequence, snapshot: StateSnapshot) -> bool:
+        """Give a registered sequence the snapshot's state and run it; with no room, queue it for recompute."""
+        n_blocks = len(snapshot.blocks) if self.cache.uses_blocks else 0
         if self.cache.num_free_slots == 0 or n_blocks > self.cache.block_allocator.num_free:
             self.scheduler.add(seq)  # no room now: recompute it from its tokens when there is
             return False

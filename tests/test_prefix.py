@@ -1,0 +1,54 @@
+"""Prefix reuse in the engine: the state after a prompt's first tokens, loaded instead of computed.
+
+A hit must give exactly the tokens of a cold run (greedy), wherever the prefix ends: inside a
+128-token block or on its edge, before or after a compressor's window closes, inside or
+beyond the sliding window.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLMEngine, SamplingParams, SnapshotError, StateSnapshot
+from tests.conftest import PARITY_CONFIGS, random_prompts
+from tests.test_state_transfer import decode_to_end, prefill_and_export
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+@pytest.mark.parametrize("config", sorted(PARITY_CONFIGS))
+def test_a_hit_at_any_anchor_gives_the_cold_tokens(checkpoints, config):
+    engine = LLMEngine.from_pretrained(checkpoints[config], max_num_batched_tokens=256)
+    rng = random.Random(config)
+    for i, prompt in enumerate(random_prompts([300, 557, 129], seed=len(config))):
+        cold = engine.generate([prompt], GREEDY)[0].token_ids
+        # anchors: random ones, a block edge, and the longest possible (one token left to compute)
+        for anchor in sorted({rng.randrange(1, len(prompt)), min(128, len(prompt) - 1), len(prompt) - 1}):
+            _, data = prefill_and_export(engine, f"prefix-{i}-{anchor}", prompt[:anchor], GREEDY)
+            snapshot = StateSnapshot.from_bytes(data)
+            assert snapshot.num_computed == anchor
+            assert engine.import_prefix(f"hit-{i}-{anchor}", snapshot, prompt, GREEDY)
+            hit = decode_to_end(engine)[f"hit-{i}-{anchor}"]
+            assert hit == cold, f"{config}: prefix of {anchor} of {len(prompt)} tokens"
+    assert engine.cache.block_allocator.num_free == engine.cache.num_blocks  # every block given back
+
+
+def test_a_hit_batched_with_cold_requests_and_its_misuse(checkpoints):
+    engine = LLMEngine.from_pretrained(checkpoints["tiny-preset"])
+    shared, other = random_prompts([200, 90], seed=5)
+    first, second = [*shared, 7, 8, 9], [*shared, 10, 11]
+    _, data = prefill_and_export(engine, "turn-1", first, GREEDY)
+    snapshot = StateSnapshot.from_bytes(data)  # state of all 203 tokens of the first prompt
+    with pytest.raises(SnapshotError, match="not a prefix"):
+        engine.import_prefix("wrong", snapshot, [*second, 1, 2, 3, 4], GREEDY)
+    with pytest.raises(SnapshotError, match="nothing to compute"):
+        engine.import_prefix("whole", snapshot, first, GREEDY)
+    assert "wrong" not in engine.seqs and "whole" not in engine.seqs
+
+    cold = {i: out.token_ids for i, out in enumerate(engine.generate([[*first, 1, 2], other], GREEDY))}
+    assert engine.import_prefix("hit", snapshot, [*first, 1, 2], GREEDY)
+    engine.add_request("cold", other, GREEDY)  # prefilled in the same steps as the hit's rest
+    tokens = decode_to_end(engine)
+    assert tokens["hit"] == cold[0] and tokens["cold"] == cold[1]
