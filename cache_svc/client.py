@@ -7,6 +7,7 @@ import logging
 import httpx
 from opentelemetry import propagate
 
+from cache_svc.prefix import anchor_key
 from cache_svc.store import checksum_of
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,26 @@ class StateClient:
         if checksum_of(response.content) != response.headers.get("X-Checksum"):
             return None
         return response.content
+
+    def put_prefix(self, namespace: str, token_ids: list[int], data: bytes, ttl_seconds: float) -> str:
+        key = anchor_key(token_ids, namespace)
+        self.put(key, data, ttl_seconds)
+        body = {"namespace": namespace, "token_ids": token_ids, "key": key}
+        self.http.post("/v1/prefix", json=body, headers=_trace_headers()).raise_for_status()
+        return key
+
+    def longest_prefix(self, namespace: str, token_ids: list[int], below: int) -> tuple[str, int] | None:
+        """The longest stored anchor, or None (also when the service cannot be reached: a miss)."""
+        body = {"namespace": namespace, "token_ids": token_ids, "below": below}
+        try:
+            response = self.http.post("/v1/prefix/lookup", json=body, headers=_trace_headers())
+        except httpx.HTTPError as err:
+            log.warning("prefix lookup failed: %r", err)
+            return None
+        if response.status_code != 200:
+            return None
+        found = response.json()
+        return found["key"], found["num_tokens"]
 
     def delete(self, key: str) -> None:
         try:

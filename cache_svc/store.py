@@ -4,6 +4,8 @@ A put returns a handle with the blob's size, checksum and lease expiry. Memory o
 demotes the least recently used blobs to disk rather than dropping them; a get checks the
 checksum, and a corrupt or missing blob is a miss (the caller recomputes), never wrong data.
 Leases keep in-flight state alive for a bounded time: a lapsed lease frees the blob.
+Blobs stored as prefix anchors (put_prefix) are also indexed, so that a prompt can find the
+longest stored state it starts with (cache_svc/prefix.py); they leave the index with the blob.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from cache_svc.prefix import PrefixIndex, anchor_key
 
 
 @dataclass
@@ -44,6 +48,7 @@ class StateStore:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._in_memory = 0
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "demotions": 0, "expired": 0}
+        self.prefixes = PrefixIndex()
 
     def put(self, key: str, data: bytes, lease_seconds: float) -> tuple[str, float]:
         """Store a blob; returns (checksum, lease expiry)."""
@@ -55,6 +60,27 @@ class StateStore:
             self._in_memory += len(data)
             self._demote_overflow()
         return entry.checksum, entry.lease_expires_at
+
+    def put_prefix(self, namespace: str, token_ids: Sequence[int], data: bytes, ttl_seconds: float) -> str:
+        """Store the state after exactly `token_ids` as an anchor that longer prompts can start from."""
+        key = anchor_key(token_ids, namespace)
+        self.put(key, data, ttl_seconds)
+        self.index_prefix(namespace, token_ids, key)
+        return key
+
+    def index_prefix(self, namespace: str, token_ids: Sequence[int], key: str) -> None:
+        if key != anchor_key(token_ids, namespace):
+            raise ValueError("the key is not these tokens' anchor key")
+        with self._lock:
+            if key not in self._entries:
+                raise KeyError(f"no state {key!r} to index")
+            self.prefixes.add(token_ids, namespace)
+
+    def longest_prefix(self, namespace: str, token_ids: Sequence[int], below: int) -> tuple[str, int] | None:
+        """(key, length) of the longest stored anchor shorter than `below` that starts `token_ids`."""
+        with self._lock:
+            self._expire()
+        return self.prefixes.longest(token_ids, namespace, below)
 
     def get(self, key: str) -> bytes | None:
         _check_key(key)
@@ -124,6 +150,7 @@ class StateStore:
             self.stats["demotions"] += 1
 
     def _drop(self, key: str) -> None:
+        self.prefixes.discard(key)
         entry = self._entries.pop(key, None)
         if entry is None:
             return

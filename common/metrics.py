@@ -40,4 +40,7 @@ RUNNING_JOBS = Gauge("deepmesh_running_jobs", "Jobs held by a worker", ["service
 STATE_HANDOFFS = Counter(
     "deepmesh_state_handoffs", "Decode starts, by how the state arrived (loaded or recomputed)", ["outcome"]
 )
+PREFIX_TOKENS = Counter(
+    "deepmesh_prefix_cache_tokens", "Prompt tokens loaded from a stored prefix (hit) or computed (miss)", ["outcome"]
+)
 STATE_BYTES = Counter("deepmesh_state_bytes", "Bytes of state moved through the cache service", ["direction"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from common.messages import (
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, job_span, start_span, within
 from common.worker import Worker
-from engine import EngineError, LLMEngine, RequestOutput, SamplingParams
+from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
 
 
 @dataclass
@@ -31,17 +32,32 @@ class _Job:
     payload: PrefillPayload
     record: Record
     span: Span  # from the job's arrival to its hand-over
+    cached_tokens: int  # prompt tokens loaded from a stored prefix instead of computed
+
+
+log = logging.getLogger(__name__)
 
 
 class PrefillWorker(Worker):
     topics = (Topic.PREFILL,)
     group = "prefill"
 
-    def __init__(self, bus: Bus, topic_prefix: str, engine: LLMEngine, store: StateStore, lease_seconds: float = 600):
+    def __init__(
+        self,
+        bus: Bus,
+        topic_prefix: str,
+        engine: LLMEngine,
+        store: StateStore,
+        lease_seconds: float = 600,
+        prefix_ttl_seconds: float = 7 * 86400,
+    ):
         super().__init__(bus, topic_prefix)
         self.engine = engine
         self.store = store
         self.lease_seconds = lease_seconds
+        self.prefix_ttl_seconds = prefix_ttl_seconds
+        # stored prefixes match only for this engine's state layout (one tenant until tenants arrive)
+        self.namespace = f"{engine.layout}/default"
         self.jobs: dict[str, _Job] = {}
 
     @property
@@ -71,16 +87,39 @@ class PrefillWorker(Worker):
             parent = context_of(record.headers)
             span = start_span("prefill", job_id, parent, SpanKind.CONSUMER, **{"deepmesh.prompt_tokens": prompt_tokens})
             try:
-                self.engine.add_request(job_id, payload.prompt_token_ids, params)
+                with within(span, job_id):
+                    cached = self._start(job_id, payload.prompt_token_ids, params)
             except EngineError as err:
                 with within(span, job_id, end=True):
                     self._fail(job_id, str(err), span)
                 self.watermarks.seen(record)
                 continue
+            span.set_attribute("deepmesh.cached_tokens", cached)
             metrics.PROMPT_TOKENS.labels(self.group).inc(prompt_tokens)
-            self.jobs[job_id] = _Job(payload, record, span)
+            metrics.PREFIX_TOKENS.labels("hit").inc(cached)
+            metrics.PREFIX_TOKENS.labels("miss").inc(prompt_tokens - cached)
+            self.jobs[job_id] = _Job(payload, record, span, cached)
             self.watermarks.hold(record, job_id)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
+
+    def _start(self, job_id: str, prompt: list[int], params: SamplingParams) -> int:
+        """Admit a job, from the longest stored prefix of its prompt if there is one; returns how
+        many prompt tokens that prefix saved (0: a full prefill)."""
+        found = self.store.longest_prefix(self.namespace, prompt, below=len(prompt))
+        if found is not None:
+            key, _ = found
+            with job_span("cache.get_prefix", job_id, kind=SpanKind.CLIENT):
+                data = self.store.get(key)
+            try:
+                snapshot = StateSnapshot.from_bytes(data) if data is not None else None
+                if snapshot is not None and self.engine.import_prefix(job_id, snapshot, prompt, params):
+                    return snapshot.num_computed
+            except SnapshotError as err:  # unusable: a miss, computed from scratch
+                log.warning("prefix %s unusable: %s", key, err)
+            if job_id in self.engine.seqs:  # queued for a full prefill: no room to load it now
+                return 0
+        self.engine.add_request(job_id, prompt, params)
+        return 0
 
     def idle(self) -> None:
         if not self.jobs:
@@ -103,7 +142,12 @@ class PrefillWorker(Worker):
         """Send the first token on: with the state to decode, or straight out when it is also the last."""
         job_id, first, prompt = out.request_id, out.new_token_ids[0], job.payload.prompt_token_ids
         if out.finished:  # done at the first token: no decode needed
-            start = JobStart(endpoint=job.payload.endpoint, body=job.payload.body, prompt_tokens=len(prompt))
+            start = JobStart(
+                endpoint=job.payload.endpoint,
+                body=job.payload.body,
+                prompt_tokens=len(prompt),
+                cached_tokens=job.cached_tokens,
+            )
             tokens = TokensPayload(start=start, token_ids=[first], finished=True, finish_reason=out.finish_reason)
             self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
             return
@@ -114,7 +158,9 @@ class PrefillWorker(Worker):
         key = f"{job_id}/prefill"
         with job_span("cache.put", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
             checksum, expires = self.store.put(key, data, self.lease_seconds)
-        metrics.STATE_BYTES.labels("put").inc(len(data))
+            # the same state is where a longer prompt starting with this one (the next turn) resumes
+            self.store.put_prefix(self.namespace, prompt, data, self.prefix_ttl_seconds)
+        metrics.STATE_BYTES.labels("put").inc(2 * len(data))
         kv = KVHandle(
             key=key,
             size=len(data),
@@ -131,6 +177,7 @@ class PrefillWorker(Worker):
             seed=seed,
             sampling=job.payload.sampling,
             kv=kv,
+            cached_tokens=job.cached_tokens,
         )
         self.hop(Topic.DECODE, Envelope(type="decode", job_id=job_id, payload=handoff.model_dump()), job.span)
 

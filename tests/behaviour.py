@@ -4,7 +4,7 @@ The same tests run against the embedded mode (tests/test_gateway.py: every servi
 process over the in-process bus) and the distributed mode (tests/test_distributed.py:
 every service in its own OS process over Apache Kafka and PostgreSQL). Both modules provide:
 
-* `service`: url, model (checkpoint path), decode_running() and state_entries();
+* `service`: url, model (checkpoint path), decode_running() and has_state(key);
 * `scripted`: url and stage, a gateway and tokenizer whose prefill and decode are a
   ScriptedModel (see there).
 """
@@ -225,6 +225,26 @@ class GatewayBehaviour(SDKClients):
         assert reply.choices[0].message.content == text[: text.index(stop)]
         eventually(lambda: service.decode_running() == 0, 10, "decode kept generating after the stop sequence")
 
+    def test_a_follow_up_turn_starts_from_the_first_turns_stored_state(self, service, oai, claude):
+        first = [{"role": "user", "content": f"Name a stream processor. ({service.url})"}]
+        turn_1 = oai.chat.completions.create(model=MODEL, messages=first, max_tokens=6, **GREEDY)
+        assert not turn_1.usage.prompt_tokens_details.cached_tokens  # nothing stored before it
+        history = [*first, {"role": "assistant", "content": turn_1.choices[0].message.content}]
+        second = [*history, {"role": "user", "content": "And another?"}]
+        turn_2 = oai.chat.completions.create(model=MODEL, messages=second, max_tokens=12, **GREEDY)
+        # the first turn's whole prompt was loaded, not computed, and the answer is the cold one
+        assert turn_2.usage.prompt_tokens_details.cached_tokens == turn_1.usage.prompt_tokens
+        cold = {"model": MODEL, "messages": second, "max_tokens": 12, "temperature": 0, **GREEDY["extra_body"]}
+        assert (
+            turn_2.choices[0].message.content
+            == one_process_answer(service.model, cold)["choices"][0]["message"]["content"]
+        )
+
+        third = [*second, {"role": "assistant", "content": turn_2.choices[0].message.content}]
+        third.append({"role": "user", "content": "Thanks."})
+        turn_3 = claude.messages.create(model=MODEL, max_tokens=4, messages=third, thinking={"type": "disabled"})
+        assert turn_3.usage.cache_read_input_tokens == turn_2.usage.prompt_tokens
+
     def test_models_health_and_metrics(self, service, oai):
         assert [m.id for m in oai.models.list()] == [MODEL]
         assert httpx.get(f"{service.url}/healthz").json() == {"status": "ok"}
@@ -290,10 +310,12 @@ class GatewayBehaviour(SDKClients):
         job = httpx.post(f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}).json()
         wait_for_status(service.url, job["id"], {"running"})
         assert service.decode_running() == 1
+        handed_over = f"{job['id']}/prefill"  # the state prefill handed to decode; its prefix copy stays
+        assert service.has_state(handed_over)
         cancelled = httpx.delete(f"{service.url}/v1/jobs/{job['id']}").json()
         assert cancelled["status"] == "cancelled"
         eventually(lambda: service.decode_running() == 0, 30, "decode kept the cancelled job")
-        eventually(lambda: service.state_entries() == 0, 30, "the cancelled job's state was not freed")
+        eventually(lambda: not service.has_state(handed_over), 30, "the cancelled job's state was not freed")
         time.sleep(0.5)
         assert httpx.get(f"{service.url}/v1/jobs/{job['id']}").json()["status"] == "cancelled"
 

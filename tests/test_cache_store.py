@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cache_svc.prefix import anchor_key
 from cache_svc.store import StateStore, checksum_of
 
 
@@ -66,3 +67,62 @@ def test_keys_are_validated(tmp_path, clock):
     store = StateStore(tmp_path, clock=clock)
     with pytest.raises(ValueError):
         store.put("", b"x", 1)
+
+
+# -- prefix anchors -----------------------------------------------------------------------------
+
+NS = "layout-v1/tenant-a"
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_the_longest_stored_prefix_shorter_than_the_prompt_is_found(tmp_path, clock):
+    store = StateStore(tmp_path, clock=clock)
+    prompt = tokens(400)
+    for length in (5, 128, 200, 256, 399, 400):  # inside a block, on block edges, the whole prompt
+        store.put_prefix(NS, prompt[:length], f"state-{length}".encode(), ttl_seconds=60)
+    key, length = store.longest_prefix(NS, prompt, below=len(prompt))
+    assert length == 399 and store.get(key) == b"state-399"
+    assert store.longest_prefix(NS, prompt, below=256)[1] == 200
+    assert store.longest_prefix(NS, prompt[:130], below=130)[1] == 128
+    assert store.longest_prefix(NS, prompt, below=5) is None
+    # one token different, in the first block: none of them is a prefix any more
+    assert store.longest_prefix(NS, [7, *prompt[1:]], below=400) is None
+    # different tokens after 256: the anchors up to 256 still are
+    assert store.longest_prefix(NS, prompt[:300] + tokens(100, 9000), below=400)[1] == 256
+
+
+def test_prefixes_belong_to_their_namespace(tmp_path, clock):
+    store = StateStore(tmp_path, clock=clock)
+    prompt = tokens(300)
+    store.put_prefix(NS, prompt[:200], b"a's", ttl_seconds=60)
+    assert store.longest_prefix("layout-v1/tenant-b", prompt, below=300) is None  # another tenant
+    assert store.longest_prefix("layout-v2/tenant-a", prompt, below=300) is None  # another state format
+    assert store.longest_prefix(NS, prompt, below=300)[1] == 200
+
+
+def test_a_prefix_leaves_the_index_with_its_state(tmp_path, clock):
+    store = StateStore(tmp_path, memory_bytes=0, clock=clock)
+    prompt = tokens(300)
+    kept = store.put_prefix(NS, prompt[:100], b"kept", ttl_seconds=1000)
+    deleted = store.put_prefix(NS, prompt[:150], b"deleted", ttl_seconds=1000)
+    expiring = store.put_prefix(NS, prompt[:200], b"expiring", ttl_seconds=10)
+    corrupt = store.put_prefix(NS, prompt[:250], b"corrupt", ttl_seconds=1000)
+    store._path(corrupt).write_bytes(b"garbage")
+    assert store.longest_prefix(NS, prompt, below=300) == (corrupt, 250)
+    assert store.get(corrupt) is None  # detected: gone from the store and the index
+    clock.now += 20  # the 200-token anchor expires
+    store.delete(deleted)
+    assert store.longest_prefix(NS, prompt, below=300) == (kept, 100)
+    assert len(store.prefixes) == 1 and expiring not in store.prefixes
+
+
+def test_indexing_checks_the_key_and_the_state(tmp_path, clock):
+    store = StateStore(tmp_path, clock=clock)
+    with pytest.raises(KeyError):  # the right key, but no state stored under it
+        store.index_prefix(NS, tokens(10), anchor_key(tokens(10), NS))
+    key = store.put_prefix(NS, tokens(10), b"x", 60)
+    with pytest.raises(ValueError, match="not these tokens"):
+        store.index_prefix(NS, tokens(11), key)

@@ -103,8 +103,8 @@ class Cluster:
         scraped = httpx.get(self.decode_metrics).text
         return int(float(re.search(r'^deepmesh_running_jobs\{service="decode"\} (\S+)$', scraped, re.M).group(1)))
 
-    def state_entries(self) -> int:
-        return httpx.get(f"{self.cache_url}/healthz").json()["entries"]
+    def has_state(self, key: str) -> bool:
+        return httpx.get(f"{self.cache_url}/v1/state/{key}").status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def cluster(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(cluster, model):
     return SimpleNamespace(
-        url=cluster.url, model=model, decode_running=cluster.decode_running, state_entries=cluster.state_entries
+        url=cluster.url, model=model, decode_running=cluster.decode_running, has_state=cluster.has_state
     )
 
 

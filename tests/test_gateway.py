@@ -47,7 +47,7 @@ def service(model, jobs, tmp_path_factory):
             url=server.url,
             model=model,
             decode_running=lambda: len(mesh.decode.jobs),
-            state_entries=lambda: len(mesh.store),
+            has_state=lambda key: mesh.store.get(key) is not None,
         )
     mesh.stop()
 
