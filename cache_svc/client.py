@@ -37,11 +37,16 @@ class StateClient:
             return None
         return response.content
 
-    def put_prefix(self, namespace: str, token_ids: list[int], data: bytes, ttl_seconds: float) -> str:
+    def put_prefix(self, namespace: str, token_ids: list[int], data: bytes, ttl_seconds: float) -> str | None:
+        """Store and index a prefix anchor; best effort: a failure only means a later miss."""
         key = anchor_key(token_ids, namespace)
-        self.put(key, data, ttl_seconds)
         body = {"namespace": namespace, "token_ids": token_ids, "key": key}
-        self.http.post("/v1/prefix", json=body, headers=_trace_headers()).raise_for_status()
+        try:
+            self.put(key, data, ttl_seconds)
+            self.http.post("/v1/prefix", json=body, headers=_trace_headers()).raise_for_status()
+        except httpx.HTTPError as err:
+            log.warning("storing prefix %s failed: %r", key, err)
+            return None
         return key
 
     def longest_prefix(self, namespace: str, token_ids: list[int], below: int) -> tuple[str, int] | None:

@@ -19,6 +19,11 @@ from collections.abc import Sequence
 from engine.config import BLOCK_SIZE
 
 
+def namespace_of(layout: str, tenant: str = "default") -> str:
+    """Prefixes match only within one engine state layout and one tenant."""
+    return f"{layout}/{tenant}"
+
+
 def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
     return array("I", token_ids).tobytes()
 

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from cache_svc.prefix import namespace_of
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
@@ -30,10 +31,14 @@ class DecodeWorker(Worker):
     topics = (Topic.DECODE,)
     group = "decode"
 
-    def __init__(self, bus: Bus, topic_prefix: str, engine: LLMEngine, store: StateStore):
+    def __init__(
+        self, bus: Bus, topic_prefix: str, engine: LLMEngine, store: StateStore, prefix_ttl_seconds: float = 7 * 86400
+    ):
         super().__init__(bus, topic_prefix)
         self.engine = engine
         self.store = store
+        self.prefix_ttl_seconds = prefix_ttl_seconds
+        self.namespace = namespace_of(engine.layout)
         self.jobs: dict[str, _Job] = {}
         self.cancelled: set[str] = set()  # cancels that arrived before their job (bounded below)
         self.loaded = self.recomputed = 0
@@ -74,7 +79,11 @@ class DecodeWorker(Worker):
     def _start(self, job_id: str, payload: DecodePayload, span: Span) -> None:
         sampling = payload.sampling
         params = SamplingParams(
-            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=payload.seed
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=payload.seed,
+            keep_final_state=True,  # stored below as where the conversation's next turn can resume
         )
         with job_span("cache.get", job_id, kind=SpanKind.CLIENT):
             snapshot = self._fetch(payload)
@@ -142,20 +151,27 @@ class DecodeWorker(Worker):
             step.append((self._tokens_message(job, out.request_id, tokens), job.headers))
             if out.finished:
                 del self.jobs[out.request_id]
-                finished.append((out.request_id, job, out.finish_reason or "stop"))
+                finished.append((out.request_id, job, out.finish_reason or "stop", out.final_state))
         self.send_batch(Topic.TOKENS, step)  # every job's tokens of this step, in one batch
-        for job_id, job, reason in finished:
-            self._finish(job_id, job, reason)
+        for job_id, job, reason, final_state in finished:
+            self._finish(job_id, job, reason, final_state)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
-    def _finish(self, job_id: str, job: _Job, outcome: str) -> None:
-        """Free the job's stored state, close its span and let its record be committed."""
+    def _finish(self, job_id: str, job: _Job, outcome: str, final_state: StateSnapshot | None = None) -> None:
+        """Free the job's handed-over state, store its final state as a prefix anchor, close its
+        span and let its record be committed."""
         with within(job.span, job_id, end=True):
             job.span.set_attribute("deepmesh.finish", outcome)
             job.span.set_attribute("deepmesh.tokens_messages", job.next_seq)
             if job.payload.kv is not None:
                 with job_span("cache.delete", job_id, kind=SpanKind.CLIENT):
                     self.store.delete(job.payload.kv.key)
+            if final_state is not None:
+                data = final_state.to_bytes()
+                anchor = final_state.token_ids[: final_state.num_computed]
+                with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
+                    self.store.put_prefix(self.namespace, anchor, data, self.prefix_ttl_seconds)
+                metrics.STATE_BYTES.labels("put").inc(len(data))
         self.watermarks.release(job_id)
 
     def _tokens_message(self, job: _Job, job_id: str, tokens: TokensPayload) -> Envelope:

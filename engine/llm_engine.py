@@ -105,6 +105,9 @@ class LLMEngine:
             raise UnknownRequestError(f"no request {request_id!r} (finished, aborted or never added)")
         if seq.slot is None or seq.num_computed == 0:
             raise InvalidRequestError(f"request {request_id!r} has no computed state yet")
+        return self._snapshot(seq)
+
+    def _snapshot(self, seq: Sequence) -> StateSnapshot:
         n_blocks = self.cache.blocks_needed(seq.num_computed) if self.cache.uses_blocks else 0
         return StateSnapshot(
             layout=self.layout,
@@ -255,12 +258,23 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             seq.output_logprobs.append(logprob)
             reason = self._finish_reason(seq, token)
+            final_state = None
             if reason:
+                if seq.params.keep_final_state:  # everything but the last token, which was never computed
+                    final_state = self._snapshot(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
                 self.scheduler.remove(seq)
                 del self.seqs[seq.request_id]
             outputs.append(
-                RequestOutput(seq.request_id, [token], [logprob], reason is not None, reason, len(seq.prompt_token_ids))
+                RequestOutput(
+                    seq.request_id,
+                    [token],
+                    [logprob],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=len(seq.prompt_token_ids),
+                    final_state=final_state,
+                )
             )
         return outputs
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.state_transfer import StateSnapshot
 
 
 @dataclass
@@ -19,6 +23,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # hand back the state at the end (RequestOutput.final_state): where a longer prompt that
+    # repeats this conversation, such as its next turn, can resume
+    keep_final_state: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -88,6 +95,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     num_prompt_tokens: int = 0
+    final_state: StateSnapshot | None = None  # with keep_final_state, when the request stops or reaches its length
 
 
 @dataclass

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from cache_svc.prefix import namespace_of
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
@@ -56,8 +57,7 @@ class PrefillWorker(Worker):
         self.store = store
         self.lease_seconds = lease_seconds
         self.prefix_ttl_seconds = prefix_ttl_seconds
-        # stored prefixes match only for this engine's state layout (one tenant until tenants arrive)
-        self.namespace = f"{engine.layout}/default"
+        self.namespace = namespace_of(engine.layout)  # one tenant until requests name theirs
         self.jobs: dict[str, _Job] = {}
 
     @property

@@ -52,3 +52,27 @@ def test_a_hit_batched_with_cold_requests_and_its_misuse(checkpoints):
     engine.add_request("cold", other, GREEDY)  # prefilled in the same steps as the hit's rest
     tokens = decode_to_end(engine)
     assert tokens["hit"] == cold[0] and tokens["cold"] == cold[1]
+
+
+def test_the_final_state_of_a_turn_is_where_the_next_turn_resumes(checkpoints):
+    engine = LLMEngine.from_pretrained(checkpoints["yarn-hc3"])
+    (prompt,) = random_prompts([150], seed=11)
+    for reason, params in (
+        ("length", SamplingParams(max_tokens=20, temperature=0, keep_final_state=True)),
+        ("stop", SamplingParams(max_tokens=40, temperature=0, keep_final_state=True, stop_token_ids=[])),
+    ):
+        if reason == "stop":  # stop at the 9th token whatever it is
+            probe = engine.generate([prompt], SamplingParams(max_tokens=9, temperature=0))[0].token_ids
+            params.stop_token_ids = [probe[-1]]
+        engine.add_request("turn-1", prompt, params)
+        outputs = [o for _ in range(200) if engine.has_unfinished_requests() for o in engine.step()]
+        final = outputs[-1]
+        assert final.finished and final.finish_reason == reason and final.final_state is not None
+        answer = [t for o in outputs for t in o.new_token_ids]
+        assert all(o.final_state is None for o in outputs[:-1])
+        state = final.final_state
+        assert state.num_computed == len(prompt) + len(answer) - 1  # the last token was sampled, never computed
+        next_turn = [*prompt, *answer, 5, 6, 7]
+        cold = engine.generate([next_turn], GREEDY)[0].token_ids
+        assert engine.import_prefix("turn-2", StateSnapshot.from_bytes(state.to_bytes()), next_turn, GREEDY)
+        assert decode_to_end(engine)["turn-2"] == cold
