@@ -82,6 +82,7 @@ class PrefillWorker(Worker):
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 seed=sampling.seed,
+                keep_final_state=True,  # a job done at its first token still leaves its prompt's state
             )
             prompt_tokens = len(payload.prompt_token_ids)
             parent = context_of(record.headers)
@@ -150,6 +151,8 @@ class PrefillWorker(Worker):
             )
             tokens = TokensPayload(start=start, token_ids=[first], finished=True, finish_reason=out.finish_reason)
             self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
+            if out.final_state is not None:
+                self._store_prefix(job_id, prompt, out.final_state.to_bytes())
             return
         snapshot = self.engine.export_state(job_id)
         seed = self.engine.seqs[job_id].seed
@@ -158,9 +161,8 @@ class PrefillWorker(Worker):
         key = f"{job_id}/prefill"
         with job_span("cache.put", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
             checksum, expires = self.store.put(key, data, self.lease_seconds)
-            # the same state is where a longer prompt starting with this one (the next turn) resumes
-            self.store.put_prefix(self.namespace, prompt, data, self.prefix_ttl_seconds)
-        metrics.STATE_BYTES.labels("put").inc(2 * len(data))
+        metrics.STATE_BYTES.labels("put").inc(len(data))
+        self._store_prefix(job_id, prompt, data)
         kv = KVHandle(
             key=key,
             size=len(data),
@@ -180,6 +182,12 @@ class PrefillWorker(Worker):
             cached_tokens=job.cached_tokens,
         )
         self.hop(Topic.DECODE, Envelope(type="decode", job_id=job_id, payload=handoff.model_dump()), job.span)
+
+    def _store_prefix(self, job_id: str, prompt: list[int], data: bytes) -> None:
+        """The prompt's state, where a longer prompt that starts with it (the next turn) can resume."""
+        with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
+            self.store.put_prefix(self.namespace, prompt, data, self.prefix_ttl_seconds)
+        metrics.STATE_BYTES.labels("put").inc(len(data))
 
     def _fail(self, job_id: str, reason: str, span: Span) -> None:
         error = {"error": {"message": reason, "type": "invalid_request_error", "param": None, "code": None}}
