@@ -233,15 +233,13 @@ class GatewayBehaviour(SDKClients):
         second = [*history, {"role": "user", "content": "And another?"}]
         turn_2 = oai.chat.completions.create(model=MODEL, messages=second, max_tokens=12, **GREEDY)
         # loaded, not computed: the first turn's prompt, or all of the first turn but its last
-        # token when the answer's text encodes back to the tokens generated; the answer is the cold one
+        # token when the answer's text encodes back to the tokens generated; the answer is a cold run's
         usage = turn_1.usage
         ends = (usage.prompt_tokens, usage.prompt_tokens + usage.completion_tokens - 1)
         assert turn_2.usage.prompt_tokens_details.cached_tokens in ends
         cold = {"model": MODEL, "messages": second, "max_tokens": 12, "temperature": 0, **GREEDY["extra_body"]}
-        assert (
-            turn_2.choices[0].message.content
-            == one_process_answer(service.model, cold)["choices"][0]["message"]["content"]
-        )
+        expected = one_process_answer(service.model, cold)["choices"][0]["message"]["content"]
+        assert turn_2.choices[0].message.content == expected
 
         third = [*second, {"role": "assistant", "content": turn_2.choices[0].message.content}]
         third.append({"role": "user", "content": "Thanks."})

@@ -155,11 +155,20 @@ class OutputStream:
         return self.processor.finished
 
     def tokens(self, token_ids: Sequence[int]) -> list[Event]:
-        """Feed generated tokens; the engine's stop tokens end the output and are not shown."""
-        visible = [t for t in token_ids if t not in self.stop_ids]
-        if not visible or self.complete:
-            return []
-        return self._events(self.processor.push(recipe.InferenceChunk.tokens(visible)))
+        """Feed generated tokens; the engine's stop tokens end the output and are not shown.
+
+        One token per push: the recipe's processor does not always give the same output for
+        tokens pushed together as for the same tokens pushed one by one (a group holding a
+        partial UTF-8 character can vanish), and how tokens are grouped into messages depends
+        on timing. One at a time, an answer is the same however it arrived.
+        """
+        events: list[Event] = []
+        for token in token_ids:
+            if self.complete:
+                break
+            if token not in self.stop_ids:
+                events += self._events(self.processor.push(recipe.InferenceChunk.tokens([token])))
+        return events
 
     def finish(self, reason: str) -> list[Event]:
         """reason: the engine's finish reason ("stop" or "length")."""
