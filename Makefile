@@ -33,7 +33,7 @@ lint: $(INSTALLED)
 # The integration tests run against real Apache Kafka, PostgreSQL and Redis on loopback, started
 # by scripts/stack (left running, so the next run starts in seconds; `make stack-down` stops them).
 test: lint
-	eval "$$(scripts/stack up)" && DEEPMESH_REQUIRE_INFRA=1 $(BIN)/pytest
+	stack="$$(scripts/stack up)" && eval "$$stack" && DEEPMESH_REQUIRE_INFRA=1 $(BIN)/pytest
 
 stack-down:
 	scripts/stack down
