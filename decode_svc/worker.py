@@ -141,7 +141,7 @@ class DecodeWorker(Worker):
         outputs = self.engine.step()
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(time.perf_counter() - started)
         step: list[tuple[Envelope, dict[str, bytes]]] = []
-        finished: list[tuple[str, _Job, str]] = []
+        finished: list[tuple[str, _Job, str, StateSnapshot | None]] = []
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
