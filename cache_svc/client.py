@@ -62,6 +62,17 @@ class StateClient:
         found = response.json()
         return found["key"], found["num_tokens"]
 
+    def renew(self, key: str, lease_seconds: float) -> float | None:
+        """Extend a blob's lease (a prefix's retention); None when it is gone or unreachable."""
+        try:
+            response = self.http.post(
+                f"/v1/state/{key}/lease", headers={"X-Lease-Seconds": str(lease_seconds), **_trace_headers()}
+            )
+        except httpx.HTTPError as err:
+            log.warning("cache renew %s failed: %r", key, err)
+            return None
+        return response.json()["lease_expires_at"] if response.status_code == 200 else None
+
     def delete(self, key: str) -> None:
         try:
             self.http.delete(f"/v1/state/{key}", headers=_trace_headers())

@@ -119,6 +119,12 @@ class StateStore:
             entry.lease_expires_at = self.clock() + lease_seconds
             return entry.lease_expires_at
 
+    def expires_at(self, key: str) -> float | None:
+        """When a blob's lease (or a prefix's retention) lapses; None if there is no such blob."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.lease_expires_at
+
     def sweep(self) -> int:
         """Free blobs whose lease has lapsed; returns how many."""
         with self._lock:

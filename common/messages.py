@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -85,6 +85,8 @@ def payload_of(envelope: Envelope, model: type[BaseModel]):
 # -- payloads, one per topic (see README "Topics and messages") --------------------------------
 
 Endpoint = Literal["chat.completions", "responses", "messages"]
+RetentionClass = Literal["agent", "chat"]
+TenantId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 
 
 class RequestPayload(BaseModel):
@@ -92,6 +94,8 @@ class RequestPayload(BaseModel):
 
     endpoint: Endpoint
     body: dict[str, Any]
+    tenant: TenantId = "default"  # whose stored prefixes the request may use
+    retention: RetentionClass | None = None  # how long its prefixes are kept; None: the endpoint's default
 
 
 class Sampling(BaseModel):
@@ -108,6 +112,8 @@ class PrefillPayload(BaseModel):
     body: dict[str, Any]
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: Sampling
+    tenant: TenantId = "default"
+    retention: RetentionClass = "chat"
 
 
 class KVHandle(BaseModel):
@@ -132,6 +138,8 @@ class DecodePayload(BaseModel):
     sampling: Sampling
     kv: KVHandle | None = None  # None or unusable: decode recomputes from the tokens
     cached_tokens: int = 0
+    tenant: TenantId = "default"
+    retention: RetentionClass = "chat"
 
 
 class JobStart(BaseModel):

@@ -25,3 +25,6 @@ class Settings(BaseSettings):
     trace_file: str = ".cache/traces.jsonl"
     metrics_port: int = 0  # a worker serves /metrics on this port; 0: not at all
     metrics_host: str = "127.0.0.1"
+    retention_agent_seconds: float = 3 * 86400  # how long stored prefixes live, by retention class
+    retention_chat_seconds: float = 7 * 86400
+    retention_overrides: dict[str, dict[str, float]] = {}  # per tenant, JSON: {"acme": {"agent": 86400}}

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cache_svc.prefix import namespace_of
+from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
@@ -32,13 +33,12 @@ class DecodeWorker(Worker):
     group = "decode"
 
     def __init__(
-        self, bus: Bus, topic_prefix: str, engine: LLMEngine, store: StateStore, prefix_ttl_seconds: float = 7 * 86400
+        self, bus: Bus, topic_prefix: str, engine: LLMEngine, store: StateStore, retention: Retention | None = None
     ):
         super().__init__(bus, topic_prefix)
         self.engine = engine
         self.store = store
-        self.prefix_ttl_seconds = prefix_ttl_seconds
-        self.namespace = namespace_of(engine.layout)
+        self.retention = retention or Retention()
         self.jobs: dict[str, _Job] = {}
         self.cancelled: set[str] = set()  # cancels that arrived before their job (bounded below)
         self.loaded = self.recomputed = 0
@@ -170,7 +170,9 @@ class DecodeWorker(Worker):
                 data = final_state.to_bytes()
                 anchor = final_state.token_ids[: final_state.num_computed]
                 with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
-                    self.store.put_prefix(self.namespace, anchor, data, self.prefix_ttl_seconds)
+                    namespace = namespace_of(self.engine.layout, job.payload.tenant)
+                    ttl = self.retention.ttl(job.payload.tenant, job.payload.retention)
+                    self.store.put_prefix(namespace, anchor, data, ttl)
                 metrics.STATE_BYTES.labels("put").inc(len(data))
         self.watermarks.release(job_id)
 

@@ -116,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from cache_svc.retention import Retention
     from common.bus import MemoryBus
     from common.settings import Settings
     from deepmesh.mesh import Mesh
@@ -130,9 +131,16 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"making a tiny random-weight model in {model}", file=sys.stderr)
             make_model(model, "tiny", seed=0)
     bus = MemoryBus()
-    mesh = Mesh(model, bus, Path(".cache/state"), served_model=args.served_model_name)
+    settings = Settings()
+    mesh = Mesh(
+        model,
+        bus,
+        Path(".cache/state"),
+        served_model=args.served_model_name,
+        retention=Retention.from_settings(settings),
+    )
     mesh.start([mesh.tokenizer])
-    app = create_app(bus, "deepmesh.", [args.served_model_name], JobStore(Settings().database_url))
+    app = create_app(bus, "deepmesh.", [args.served_model_name], JobStore(settings.database_url))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()
@@ -202,16 +210,18 @@ def _make_worker(command: str, bus, settings, model: Path):
 
         return TokenizerWorker(bus, settings.topic_prefix, Codec.for_model(model, settings.served_model_name))
     from cache_svc.client import StateClient
+    from cache_svc.retention import Retention
     from engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(model)
+    retention = Retention.from_settings(settings)
     if command == "prefill":
         from prefill_svc.worker import PrefillWorker
 
-        return PrefillWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url))
+        return PrefillWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url), retention=retention)
     from decode_svc.worker import DecodeWorker
 
-    return DecodeWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url))
+    return DecodeWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url), retention=retention)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common.bus import Bus
 from common.topics import all_topic_names
@@ -31,6 +32,7 @@ class Mesh:
         served_model: str = "deepmesh-tiny",
         topic_prefix: str = "deepmesh.",
         partitions: int = 4,
+        retention: Retention | None = None,
         **engine_options,
     ):
         model_path = Path(model_path)
@@ -41,8 +43,8 @@ class Mesh:
         codec = Codec.for_model(model_path, served_model)
         self.store = StateStore(state_dir)
         self.tokenizer = TokenizerWorker(bus, topic_prefix, codec)
-        self.prefill = PrefillWorker(bus, topic_prefix, prefill_engine, self.store)
-        self.decode = DecodeWorker(bus, topic_prefix, decode_engine, self.store)
+        self.prefill = PrefillWorker(bus, topic_prefix, prefill_engine, self.store, retention=retention)
+        self.decode = DecodeWorker(bus, topic_prefix, decode_engine, self.store, retention=retention)
         self.workers: list[Worker] = [self.tokenizer, self.prefill, self.decode]
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []

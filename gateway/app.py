@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cache_svc.retention import request_error
 from common import metrics
 from common.bus import Bus
 from common.messages import Envelope, RequestPayload, ResultPayload, decode
@@ -245,8 +246,16 @@ def create_app(
             return protocol_error(endpoint, 400, "the request body must be a JSON object")
         return body
 
-    async def enqueue(job_id: str, endpoint: str, body: dict, parent: Span) -> None:
-        payload = RequestPayload(endpoint=endpoint, body=body).model_dump()
+    def cache_options(endpoint: str, request: Request) -> dict | Response:
+        """The tenant and retention class the request names in its headers, or the protocol's error."""
+        tenant, retention = request.headers.get("x-deepmesh-tenant"), request.headers.get("x-deepmesh-retention")
+        problem = request_error(tenant, retention)
+        if problem is not None:
+            return protocol_error(endpoint, 400, problem)
+        return {"tenant": tenant or "default", "retention": retention}
+
+    async def enqueue(job_id: str, endpoint: str, body: dict, parent: Span, options: dict) -> None:
+        payload = RequestPayload(endpoint=endpoint, body=body, **options).model_dump()
         message = Envelope(type="request", job_id=job_id, payload=payload)
         with job_span("send requests", job_id, parent, SpanKind.PRODUCER) as span:
             headers = headers_of(span)
@@ -268,9 +277,12 @@ def create_app(
         body = await read_object(endpoint, request)
         if isinstance(body, Response):
             return body
+        options = cache_options(endpoint, request)
+        if isinstance(options, Response):
+            return options
         queue = router.watch(job_id)
         try:
-            await enqueue(job_id, endpoint, body, call.span)
+            await enqueue(job_id, endpoint, body, call.span, options)
             first = await asyncio.wait_for(queue.get(), timeout=result_timeout)
         except TimeoutError:
             router.forget(job_id)
@@ -340,10 +352,13 @@ def create_app(
             return protocol_error("jobs", 400, "endpoint must be one of chat.completions, responses, messages")
         if not isinstance(body, dict):
             return protocol_error("jobs", 400, "body must be the JSON object of the request")
+        options = cache_options("jobs", request)
+        if isinstance(options, Response):
+            return options
         job_id = uuid.uuid4().hex
         with job_span("submit job", job_id, **{"deepmesh.endpoint": endpoint}) as span:
             job = await asyncio.to_thread(jobs.create, job_id, endpoint, {**body, "stream": False})
-            await enqueue(job_id, endpoint, {**body, "stream": False}, span)
+            await enqueue(job_id, endpoint, {**body, "stream": False}, span, options)
         metrics.JOBS_SUBMITTED.labels(endpoint).inc()
         return JSONResponse(job.to_api(), status_code=202)
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from cache_svc.prefix import namespace_of
+from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
@@ -50,14 +51,13 @@ class PrefillWorker(Worker):
         engine: LLMEngine,
         store: StateStore,
         lease_seconds: float = 600,
-        prefix_ttl_seconds: float = 7 * 86400,
+        retention: Retention | None = None,
     ):
         super().__init__(bus, topic_prefix)
         self.engine = engine
         self.store = store
         self.lease_seconds = lease_seconds
-        self.prefix_ttl_seconds = prefix_ttl_seconds
-        self.namespace = namespace_of(engine.layout)  # one tenant until requests name theirs
+        self.retention = retention or Retention()
         self.jobs: dict[str, _Job] = {}
 
     @property
@@ -89,7 +89,7 @@ class PrefillWorker(Worker):
             span = start_span("prefill", job_id, parent, SpanKind.CONSUMER, **{"deepmesh.prompt_tokens": prompt_tokens})
             try:
                 with within(span, job_id):
-                    cached = self._start(job_id, payload.prompt_token_ids, params)
+                    cached = self._start(job_id, payload, params)
             except EngineError as err:
                 with within(span, job_id, end=True):
                     self._fail(job_id, str(err), span)
@@ -103,14 +103,16 @@ class PrefillWorker(Worker):
             self.watermarks.hold(record, job_id)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
-    def _start(self, job_id: str, prompt: list[int], params: SamplingParams) -> int:
-        """Admit a job, from the longest stored prefix of its prompt if there is one; returns how
-        many prompt tokens that prefix saved (0: a full prefill)."""
-        found = self.store.longest_prefix(self.namespace, prompt, below=len(prompt))
+    def _start(self, job_id: str, payload: PrefillPayload, params: SamplingParams) -> int:
+        """Admit a job, from the longest stored prefix of its prompt (its tenant's) if there is one;
+        returns how many prompt tokens that prefix saved (0: a full prefill)."""
+        prompt = payload.prompt_token_ids
+        found = self.store.longest_prefix(namespace_of(self.engine.layout, payload.tenant), prompt, below=len(prompt))
         if found is not None:
             key, _ = found
             with job_span("cache.get_prefix", job_id, kind=SpanKind.CLIENT):
                 data = self.store.get(key)
+                self.store.renew(key, self.retention.ttl(payload.tenant, payload.retention))  # a hit keeps it
             try:
                 snapshot = StateSnapshot.from_bytes(data) if data is not None else None
                 if snapshot is not None and self.engine.import_prefix(job_id, snapshot, prompt, params):
@@ -152,7 +154,7 @@ class PrefillWorker(Worker):
             tokens = TokensPayload(start=start, token_ids=[first], finished=True, finish_reason=out.finish_reason)
             self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
             if out.final_state is not None:
-                self._store_prefix(job_id, prompt, out.final_state.to_bytes())
+                self._store_prefix(job_id, job.payload, out.final_state.to_bytes())
             return
         snapshot = self.engine.export_state(job_id)
         seed = self.engine.seqs[job_id].seed
@@ -162,7 +164,7 @@ class PrefillWorker(Worker):
         with job_span("cache.put", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
             checksum, expires = self.store.put(key, data, self.lease_seconds)
         metrics.STATE_BYTES.labels("put").inc(len(data))
-        self._store_prefix(job_id, prompt, data)
+        self._store_prefix(job_id, job.payload, data)
         kv = KVHandle(
             key=key,
             size=len(data),
@@ -180,13 +182,17 @@ class PrefillWorker(Worker):
             sampling=job.payload.sampling,
             kv=kv,
             cached_tokens=job.cached_tokens,
+            tenant=job.payload.tenant,
+            retention=job.payload.retention,
         )
         self.hop(Topic.DECODE, Envelope(type="decode", job_id=job_id, payload=handoff.model_dump()), job.span)
 
-    def _store_prefix(self, job_id: str, prompt: list[int], data: bytes) -> None:
+    def _store_prefix(self, job_id: str, payload: PrefillPayload, data: bytes) -> None:
         """The prompt's state, where a longer prompt that starts with it (the next turn) can resume."""
+        namespace = namespace_of(self.engine.layout, payload.tenant)
+        ttl = self.retention.ttl(payload.tenant, payload.retention)
         with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
-            self.store.put_prefix(self.namespace, prompt, data, self.prefix_ttl_seconds)
+            self.store.put_prefix(namespace, payload.prompt_token_ids, data, ttl)
         metrics.STATE_BYTES.labels("put").inc(len(data))
 
     def _fail(self, job_id: str, reason: str, span: Span) -> None:

@@ -248,6 +248,26 @@ class GatewayBehaviour(SDKClients):
         ends = (usage.prompt_tokens, usage.prompt_tokens + usage.completion_tokens - 1)
         assert turn_3.usage.cache_read_input_tokens in ends
 
+    def test_tenants_never_share_prefixes(self, service, oai):
+        first = [{"role": "user", "content": f"Which tenant am I? ({service.url})"}]
+        second = [*first, {"role": "assistant", "content": "Unknown."}, {"role": "user", "content": "Guess."}]
+
+        def ask(messages: list[dict], tenant: str) -> int:
+            reply = oai.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=2, extra_headers={"X-DeepMesh-Tenant": tenant}, **GREEDY
+            )
+            return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+        assert ask(first, "tenant-a") == 0
+        assert ask(second, "tenant-b") == 0  # tenant-a's prompt is a prefix of this one, but not tenant-b's
+        assert ask(second, "tenant-a") > 0
+        for headers, problem in (
+            ({"X-DeepMesh-Tenant": "no spaces allowed"}, "X-DeepMesh-Tenant"),
+            ({"X-DeepMesh-Retention": "forever"}, "X-DeepMesh-Retention"),
+        ):
+            with pytest.raises(openai.BadRequestError, match=problem):
+                oai.chat.completions.create(model=MODEL, messages=first, max_tokens=2, extra_headers=headers)
+
     def test_models_health_and_metrics(self, service, oai):
         assert [m.id for m in oai.models.list()] == [MODEL]
         assert httpx.get(f"{service.url}/healthz").json() == {"status": "ok"}

@@ -126,3 +126,18 @@ def test_indexing_checks_the_key_and_the_state(tmp_path, clock):
     key = store.put_prefix(NS, tokens(10), b"x", 60)
     with pytest.raises(ValueError, match="not these tokens"):
         store.index_prefix(NS, tokens(11), key)
+
+
+def test_retention_classes_and_tenant_overrides():
+    from cache_svc.retention import Retention, request_error
+
+    retention = Retention(overrides={"acme": {"agent": 60}})
+    assert retention.ttl("anyone", "agent") == 3 * 86400 and retention.ttl("anyone", "chat") == 7 * 86400
+    assert retention.ttl("acme", "agent") == 60 and retention.ttl("acme", "chat") == 7 * 86400
+    with pytest.raises(ValueError, match="unknown retention classes"):
+        Retention(overrides={"acme": {"forever": 1}})
+    with pytest.raises(ValueError, match="positive"):
+        Retention({"agent": 0, "chat": 1})
+    assert request_error("team-7.prod", "agent") is None and request_error(None, None) is None
+    assert "X-DeepMesh-Tenant" in request_error("a b", None)
+    assert "X-DeepMesh-Retention" in request_error(None, "week")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -48,6 +49,7 @@ def service(model, jobs, tmp_path_factory):
             model=model,
             decode_running=lambda: len(mesh.decode.jobs),
             has_state=lambda key: mesh.store.get(key) is not None,
+            mesh=mesh,
         )
     mesh.stop()
 
@@ -74,3 +76,26 @@ class TestEmbedded(GatewayBehaviour):
 
 class TestEmbeddedModelOutput(ModelOutputBehaviour):
     pass
+
+
+def test_each_request_keeps_its_prefixes_as_long_as_its_retention_class_says(service, model):
+    """Messages default to the agent class (3 days), the OpenAI protocols to chat (7 days); a header chooses."""
+    import httpx
+
+    from cache_svc.prefix import anchor_key, namespace_of
+
+    codec = Codec.for_model(model, MODEL)
+    cases = [
+        ("messages", {}, 3 * 86400),
+        ("chat.completions", {}, 7 * 86400),
+        ("messages", {"X-DeepMesh-Retention": "chat"}, 7 * 86400),
+    ]
+    for i, (endpoint, headers, ttl) in enumerate(cases):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"retention {i}"}], "max_tokens": 3}
+        path = {"messages": "/v1/messages", "chat.completions": "/v1/chat/completions"}[endpoint]
+        started = time.time()
+        assert httpx.post(service.url + path, json=body, headers=headers, timeout=60).status_code == 200
+        prompt = codec.prompt(endpoint, body).token_ids
+        key = anchor_key(prompt, namespace_of(service.mesh.prefill.engine.layout))
+        expires = service.mesh.store.expires_at(key)
+        assert expires is not None and started + ttl <= expires <= time.time() + ttl

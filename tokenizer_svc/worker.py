@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from cache_svc.retention import DEFAULT_CLASS
 from common.bus import Bus, Record
 from common.messages import (
     BadMessage,
@@ -87,6 +88,8 @@ class TokenizerWorker(Worker):
                 sampling=Sampling(
                     max_tokens=prompt.max_tokens, temperature=prompt.temperature, top_p=prompt.top_p, seed=prompt.seed
                 ),
+                tenant=request.tenant,
+                retention=request.retention or DEFAULT_CLASS[request.endpoint],
             )
             message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
             self.hop(Topic.PREFILL, message, span)
