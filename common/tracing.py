@@ -40,18 +40,31 @@ current_job: contextvars.ContextVar[str | None] = contextvars.ContextVar("curren
 
 
 class JsonLinesExporter(SpanExporter):
-    """Appends spans to a file, one JSON object per line; several processes may share the file."""
+    """Appends spans to a file, one JSON object per line; several processes may share the file.
 
-    def __init__(self, path: str | Path):
+    Past `max_bytes` the file becomes `<name>.1` (replacing the previous one) and a new one
+    starts, so a long-running local deployment keeps at most twice that on disk.
+    """
+
+    def __init__(self, path: str | Path, max_bytes: int = 64 << 20):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = "".join(json.dumps(span_record(s), separators=(",", ":")) + "\n" for s in spans)
-        with self._lock, open(self.path, "a") as out:  # one write per batch: lines from processes don't interleave
-            out.write(lines)
+        with self._lock:
+            with open(self.path, "a") as out:  # one write per batch: lines from processes don't interleave
+                out.write(lines)
+                full = out.tell() > self.max_bytes
+            if full:
+                os.replace(self.path, rotated(self.path))
         return SpanExportResult.SUCCESS
+
+
+def rotated(path: Path) -> Path:
+    return path.with_name(path.name + ".1")
 
 
 def span_record(span: ReadableSpan) -> dict:
@@ -147,13 +160,17 @@ def job_span(
 
 
 def read_spans(path: str | Path) -> list[dict]:
+    """The spans in a trace file and in its rotated predecessor."""
     spans = []
-    with open(path) as lines:
-        for line in lines:
-            try:
-                spans.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a process killed mid-write
+    for part in (rotated(Path(path)), Path(path)):
+        if not part.is_file():
+            continue
+        with open(part) as lines:
+            for line in lines:
+                try:
+                    spans.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a process killed mid-write
     return spans
 
 
