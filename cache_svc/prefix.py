@@ -73,15 +73,15 @@ class PrefixIndex:
             if not lengths:
                 self._lengths.pop(link, None)
 
-    def longest(self, token_ids: Sequence[int], namespace: str, below: int | None = None) -> tuple[str, int] | None:
+    def longest(self, token_ids: Sequence[int], namespace: str, below: int) -> tuple[str, int] | None:
         """The key and length of the longest stored anchor that is a prefix of `token_ids` and
-        shorter than `below` (default: the whole prompt), or None."""
-        limit = len(token_ids) if below is None else min(below, len(token_ids))
-        links = chain(token_ids[:limit], namespace)
+        shorter than `below`, or None."""
+        longest_allowed = min(below - 1, len(token_ids))
+        links = chain(token_ids[:longest_allowed], namespace)
         with self._lock:
             for full in range(len(links) - 1, -1, -1):
                 for length in sorted(self._lengths.get(links[full], ()), reverse=True):
-                    if length > limit or (below is not None and length >= below):
+                    if length > longest_allowed:
                         continue
                     key = anchor_key(token_ids[:length], namespace, links)
                     if key in self._anchors:
