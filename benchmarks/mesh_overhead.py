@@ -26,7 +26,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from cache_svc.store import StateStore
 from common.bus import MemoryBus
+from common.settings import Settings
 from deepmesh.mesh import Mesh
 from engine import LLMEngine, SamplingParams
 from engine.make_model import make_model
@@ -121,7 +123,8 @@ def measure(model: Path, bodies: list[dict], prompts: list[list[int]], workdir: 
     engine = LLMEngine.from_pretrained(model)
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     bus = MemoryBus()
-    mesh = Mesh(model, bus, workdir / "state", served_model=MODEL_NAME)
+    settings = Settings(database_url=f"sqlite:///{workdir}/cache.db", cache_dir=str(workdir / "kv"))
+    mesh = Mesh(model, bus, StateStore.from_settings(settings), served_model=MODEL_NAME)
     mesh.start([mesh.tokenizer])
     jobs = JobStore(f"sqlite:///{workdir}/jobs.db")
     with socket.socket() as probe:

@@ -36,8 +36,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cache_svc.store import StateStore
 from common.bus import MemoryBus
 from common.messages import Envelope, PrefillPayload, Sampling, TokensPayload, decode
+from common.settings import Settings
 from common.topics import Topic, topic_name
 from deepmesh.mesh import Mesh
 from engine.make_model import make_model
@@ -126,7 +128,10 @@ class Replay:
 
     def __init__(self, model: Path, workdir: Path):
         self.bus = MemoryBus()
-        self.mesh = Mesh(model, self.bus, workdir / "state")
+        store = StateStore.from_settings(
+            Settings(database_url=f"sqlite:///{workdir}/cache.db", cache_dir=str(workdir / "kv"))
+        )
+        self.mesh = Mesh(model, self.bus, store).start([])  # no workers on threads: the cache's maintenance
         self.waiting: dict[str, queue.Queue] = {}
         self.lock = threading.Lock()
         self.consumer = self.bus.consumer([topic_name(Topic.TOKENS, PREFIX)], "replay")
@@ -208,6 +213,24 @@ def ttft_cold_vs_hit(replay: Replay, cached: int, total: int, rounds: int) -> tu
     return statistics.median(cold), statistics.median(hit)
 
 
+def stored_bytes(store: StateStore) -> dict[str, int]:
+    """What the cache holds, and what it would hold if entries did not share their blocks."""
+    from sqlalchemy import select
+
+    from cache_svc.catalog import Entry
+
+    with store.catalog.session() as session:
+        entries = {e.key: e for e in session.scalars(select(Entry))}
+    anchors = [e for e in entries.values() if e.kind == "anchor"]
+    unshared = sum(a.size + sum(entries[b].size for b in a.blocks if b in entries) for a in anchors)
+    return {
+        "anchors": len(anchors),
+        "blocks": len(entries) - len(anchors),
+        "bytes": sum(e.size for e in entries.values()),
+        "unshared_bytes": unshared,
+    }
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -271,6 +294,7 @@ def main() -> None:
         replay.mesh.run_engines()  # this thread loaded the model: the one thread that runs PyTorch
         driver.join()
         replay.mesh.stop()
+        storage = stored_bytes(replay.mesh.store)
     rows = results["rows"]
     cold, hit = results["ttft"]
     prompt = sum(r["prompt"] for r in rows)
@@ -280,10 +304,14 @@ def main() -> None:
     print(f"hit rate against the ideal: {cached / ideal:.1%}  (target: >= 95%)")
     print(f"TTFT, 4,096-token prompt: cold {cold * 1e3:.0f} ms, 4,000 tokens cached {hit * 1e3:.0f} ms")
     print(f"hit / cold: {hit / cold:.1%}  (target: <= 20%)")
+    print(
+        f"stored: {storage['anchors']:,} anchors, {storage['blocks']:,} blocks, {storage['bytes'] / 1e6:.1f} MB; "
+        f"{storage['unshared_bytes'] / 1e6:.1f} MB if each anchor held its own blocks"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out.with_suffix(".png"))
     summary = {"requests": len(rows), "prompt_tokens": prompt, "cached_tokens": cached, "ideal_tokens": ideal}
-    summary |= {"ttft_cold_s": cold, "ttft_hit_s": hit, "rows": rows}
+    summary |= {"ttft_cold_s": cold, "ttft_hit_s": hit, "storage": storage, "rows": rows}
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {args.out.with_suffix('.png')}")
 

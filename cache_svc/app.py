@@ -1,30 +1,35 @@
 """The cache service over HTTP, so that prefill and decode replicas on other hosts share state.
 
-PUT    /v1/state/{key}         body: the blob; header X-Lease-Seconds -> {checksum, lease_expires_at}
-GET    /v1/state/{key}         -> the blob (its checksum in X-Checksum), or 404
-DELETE /v1/state/{key}
-POST   /v1/state/{key}/lease   header X-Lease-Seconds -> {lease_expires_at}, or 404
-POST   /v1/prefix              {namespace, token_ids, key}: index stored state as a prefix anchor
-POST   /v1/prefix/lookup       {namespace, token_ids, below} -> {key, num_tokens} of the longest, or 404
+POST   /v1/prefix                    body: a state snapshot; headers X-Namespace, X-TTL-Seconds and,
+                                     for a hand-over, X-Lease-Holder and X-Lease-Seconds -> Stored
+POST   /v1/prefix/lookup             {namespace, token_ids, below} -> PrefixMatch
+GET    /v1/prefix/{key}              ?renew_seconds=&release=holder -> the snapshot (X-Checksum),
+                                     or 404 {error: {type: the miss reason}}
+POST   /v1/prefix/{key}/renew        {ttl_seconds} -> {expires_at}
+POST   /v1/prefix/{key}/lease        {holder, seconds}: pin it while a hand-over is in flight
+DELETE /v1/prefix/{key}/lease/{holder}
+DELETE /v1/prefix/{key}
+GET    /v1/stats                     tiers, entries and bytes (what `deepmesh cache stats` prints)
+POST   /v1/maintenance               run every maintenance task now
+POST   /v1/maintenance/{task}        one of them (flush, sweep, rebalance, collect_orphans): Celery's tasks
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from fastapi import FastAPI, Header, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from cache_svc.maintenance import TASKS, run_task
 from cache_svc.store import StateStore, checksum_of
 from common.tracing import http_telemetry
+from engine.state_transfer import SnapshotError
 
-ENTRIES = Gauge("deepmesh_cache_entries", "State entries held by the cache service")
-
-
-class PrefixAnchor(BaseModel):
-    namespace: str = Field(min_length=1, max_length=256)
-    token_ids: list[int] = Field(min_length=1, max_length=1 << 20)
-    key: str
+MAX_SECONDS = 366 * 86400
 
 
 class PrefixLookup(BaseModel):
@@ -33,57 +38,92 @@ class PrefixLookup(BaseModel):
     below: int = Field(ge=1)
 
 
+class Renewal(BaseModel):
+    ttl_seconds: float = Field(gt=0, le=MAX_SECONDS)
+
+
+class Lease(BaseModel):
+    holder: str = Field(min_length=1, max_length=128)
+    seconds: float = Field(gt=0, le=MAX_SECONDS)
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
 def create_app(store: StateStore) -> FastAPI:
+    # Store calls do file, Redis and SQL I/O: they run in the thread pool, off the event loop.
     app = FastAPI(title="deepmesh cache", version="0.1.0", telemetry=http_telemetry())
-    ENTRIES.set_function(lambda: len(store))
-
-    def missing(key: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": f"no state {key!r}", "type": "not_found"}}, status_code=404)
-
-    @app.put("/v1/state/{key:path}")
-    async def put(key: str, request: Request, x_lease_seconds: float = Header(600.0)) -> Response:
-        if not 0 < x_lease_seconds <= 7 * 86400:
-            return JSONResponse({"error": {"message": "X-Lease-Seconds must be in (0, 604800]"}}, status_code=400)
-        checksum, expires = store.put(key, await request.body(), x_lease_seconds)
-        return JSONResponse({"checksum": checksum, "lease_expires_at": expires})
-
-    @app.get("/v1/state/{key:path}")
-    async def get(key: str) -> Response:
-        data = store.get(key)
-        if data is None:
-            return missing(key)
-        return Response(data, media_type="application/octet-stream", headers={"X-Checksum": checksum_of(data)})
-
-    @app.delete("/v1/state/{key:path}")
-    async def delete(key: str) -> Response:
-        store.delete(key)
-        return Response(status_code=204)
-
-    @app.post("/v1/state/{key:path}/lease")
-    async def renew(key: str, x_lease_seconds: float = Header(600.0)) -> Response:
-        expires = store.renew(key, x_lease_seconds)
-        return missing(key) if expires is None else JSONResponse({"lease_expires_at": expires})
 
     @app.post("/v1/prefix")
-    async def index_prefix(anchor: PrefixAnchor) -> Response:
+    async def put_prefix(
+        request: Request,
+        x_namespace: str = Header(min_length=3, max_length=256),
+        x_ttl_seconds: float = Header(gt=0, le=MAX_SECONDS),
+        x_lease_holder: str | None = Header(None, max_length=128),
+        x_lease_seconds: float = Header(0.0, ge=0, le=MAX_SECONDS),
+    ) -> Response:
+        data = await request.body()
         try:
-            store.index_prefix(anchor.namespace, anchor.token_ids, anchor.key)
-        except ValueError as err:
-            return JSONResponse({"error": {"message": str(err), "type": "invalid_request"}}, status_code=400)
-        except KeyError:
-            return missing(anchor.key)
-        return Response(status_code=204)
+            stored = await run_in_threadpool(
+                store.put_prefix, x_namespace, data, x_ttl_seconds, x_lease_holder, x_lease_seconds
+            )
+        except SnapshotError as err:
+            return _error(400, "invalid_request", str(err))
+        return JSONResponse(asdict(stored))
 
     @app.post("/v1/prefix/lookup")
-    async def lookup_prefix(lookup: PrefixLookup) -> Response:
-        found = store.longest_prefix(lookup.namespace, lookup.token_ids, lookup.below)
-        if found is None:
-            return JSONResponse({"error": {"message": "no stored prefix", "type": "not_found"}}, status_code=404)
-        return JSONResponse({"key": found[0], "num_tokens": found[1]})
+    async def lookup(body: PrefixLookup) -> Response:
+        match = await run_in_threadpool(store.lookup, body.namespace, body.token_ids, body.below)
+        return JSONResponse(asdict(match))
+
+    @app.get("/v1/prefix/{key}")
+    async def load(key: str, renew_seconds: float = 0.0, release: str | None = None) -> Response:
+        snapshot, reason = await run_in_threadpool(store.load, key, renew_seconds, release)
+        if snapshot is None:
+            return _error(404, reason or "evicted", f"no usable state {key!r}: {reason}")
+        data = snapshot.to_bytes()
+        return Response(data, media_type="application/octet-stream", headers={"X-Checksum": checksum_of(data)})
+
+    @app.post("/v1/prefix/{key}/renew")
+    async def renew(key: str, body: Renewal) -> Response:
+        expires = await run_in_threadpool(store.renew, key, body.ttl_seconds)
+        return _error(404, "evicted", f"no entry {key!r}") if expires is None else JSONResponse({"expires_at": expires})
+
+    @app.post("/v1/prefix/{key}/lease")
+    async def lease(key: str, body: Lease) -> Response:
+        if not await run_in_threadpool(store.lease, key, body.holder, body.seconds):
+            return _error(404, "evicted", f"no entry {key!r}")
+        return Response(status_code=204)
+
+    @app.delete("/v1/prefix/{key}/lease/{holder}")
+    async def release(key: str, holder: str) -> Response:
+        if not await run_in_threadpool(store.release, key, holder):
+            return _error(404, "evicted", f"no entry {key!r}")
+        return Response(status_code=204)
+
+    @app.delete("/v1/prefix/{key}")
+    async def delete(key: str) -> Response:
+        await run_in_threadpool(store.delete, key)
+        return Response(status_code=204)
+
+    @app.get("/v1/stats")
+    async def stats() -> dict:
+        return await run_in_threadpool(store.stats)
+
+    @app.post("/v1/maintenance")
+    async def maintain() -> dict:
+        return asdict(await run_in_threadpool(store.maintain))
+
+    @app.post("/v1/maintenance/{task}")
+    async def maintain_one(task: str) -> Response:
+        if task not in TASKS:
+            return _error(404, "not_found", f"no maintenance task {task!r}; tasks: {', '.join(TASKS)}")
+        return JSONResponse({"task": task, "result": await run_in_threadpool(run_task, store, task)})
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", "entries": len(store), **store.stats}
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -1,14 +1,17 @@
-"""The cache service's HTTP API behind the StateStore interface that prefill and decode use."""
+"""The cache service's HTTP API behind the same interface as StateStore, for prefill and decode
+replicas on other hosts. Every call is best effort: an unreachable cache is a miss, never an
+error for the request."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import httpx
 from opentelemetry import propagate
 
-from cache_svc.prefix import anchor_key
-from cache_svc.store import checksum_of
+from cache_svc.store import PrefixMatch, Stored, checksum_of
+from engine.state_transfer import SnapshotError, StateSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -17,70 +20,88 @@ class StateClient:
     def __init__(self, base_url: str, timeout: float = 60.0):
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
 
-    def put(self, key: str, data: bytes, lease_seconds: float) -> tuple[str, float]:
-        headers = {"X-Lease-Seconds": str(lease_seconds), **_trace_headers()}
-        response = self.http.put(f"/v1/state/{key}", content=data, headers=headers)
-        response.raise_for_status()
-        body = response.json()
-        return body["checksum"], body["lease_expires_at"]
+    def put_prefix(
+        self,
+        namespace: str,
+        data: bytes,
+        ttl_seconds: float,
+        lease_holder: str | None = None,
+        lease_seconds: float = 0.0,
+    ) -> Stored | None:
+        headers = {"X-Namespace": namespace, "X-TTL-Seconds": str(ttl_seconds), **_trace_headers()}
+        if lease_holder:
+            headers |= {"X-Lease-Holder": lease_holder, "X-Lease-Seconds": str(lease_seconds)}
+        body = self._call("POST", "/v1/prefix", content=data, headers=headers)
+        return Stored(**body) if body is not None else None
 
-    def get(self, key: str) -> bytes | None:
-        """The blob, or None when it is missing, unreachable or fails its checksum (callers recompute)."""
+    def lookup(self, namespace: str, token_ids: list[int], below: int) -> PrefixMatch:
+        body = self._call(
+            "POST", "/v1/prefix/lookup", json={"namespace": namespace, "token_ids": token_ids, "below": below}
+        )
+        return PrefixMatch(**body) if body is not None else PrefixMatch(miss_reason="unreachable")
+
+    def load(
+        self, key: str, renew_seconds: float = 0.0, release: str | None = None
+    ) -> tuple[StateSnapshot | None, str | None]:
+        params: dict[str, str | float] = {"renew_seconds": renew_seconds}
+        if release is not None:
+            params["release"] = release
         try:
-            response = self.http.get(f"/v1/state/{key}", headers=_trace_headers())
+            response = self.http.get(f"/v1/prefix/{key}", params=params, headers=_trace_headers())
         except httpx.HTTPError as err:
-            log.warning("cache get %s failed: %r", key, err)
-            return None
+            log.warning("cache load %s failed: %r", key, err)
+            return None, "unreachable"
         if response.status_code != 200:
-            return None
+            return None, _error_type(response) or "evicted"
         if checksum_of(response.content) != response.headers.get("X-Checksum"):
-            return None
-        return response.content
-
-    def put_prefix(self, namespace: str, token_ids: list[int], data: bytes, ttl_seconds: float) -> str | None:
-        """Store and index a prefix anchor; best effort: a failure only means a later miss."""
-        key = anchor_key(token_ids, namespace)
-        body = {"namespace": namespace, "token_ids": token_ids, "key": key}
+            return None, "corrupt"
         try:
-            self.put(key, data, ttl_seconds)
-            self.http.post("/v1/prefix", json=body, headers=_trace_headers()).raise_for_status()
-        except httpx.HTTPError as err:
-            log.warning("storing prefix %s failed: %r", key, err)
-            return None
-        return key
+            return StateSnapshot.from_bytes(response.content), None
+        except SnapshotError:
+            return None, "corrupt"
 
-    def longest_prefix(self, namespace: str, token_ids: list[int], below: int) -> tuple[str, int] | None:
-        """The longest stored anchor, or None (also when the service cannot be reached: a miss)."""
-        body = {"namespace": namespace, "token_ids": token_ids, "below": below}
-        try:
-            response = self.http.post("/v1/prefix/lookup", json=body, headers=_trace_headers())
-        except httpx.HTTPError as err:
-            log.warning("prefix lookup failed: %r", err)
-            return None
-        if response.status_code != 200:
-            return None
-        found = response.json()
-        return found["key"], found["num_tokens"]
+    def renew(self, key: str, ttl_seconds: float) -> float | None:
+        body = self._call("POST", f"/v1/prefix/{key}/renew", json={"ttl_seconds": ttl_seconds})
+        return None if body is None else body["expires_at"]
 
-    def renew(self, key: str, lease_seconds: float) -> float | None:
-        """Extend a blob's lease (a prefix's retention); None when it is gone or unreachable."""
-        try:
-            response = self.http.post(
-                f"/v1/state/{key}/lease", headers={"X-Lease-Seconds": str(lease_seconds), **_trace_headers()}
-            )
-        except httpx.HTTPError as err:
-            log.warning("cache renew %s failed: %r", key, err)
-            return None
-        return response.json()["lease_expires_at"] if response.status_code == 200 else None
+    def lease(self, key: str, holder: str, seconds: float) -> bool:
+        return self._call("POST", f"/v1/prefix/{key}/lease", json={"holder": holder, "seconds": seconds}) is not None
+
+    def release(self, key: str, holder: str) -> bool:
+        return self._call("DELETE", f"/v1/prefix/{key}/lease/{holder}") is not None
 
     def delete(self, key: str) -> None:
-        try:
-            self.http.delete(f"/v1/state/{key}", headers=_trace_headers())
-        except httpx.HTTPError as err:  # the lease reclaims it anyway
-            log.warning("cache delete %s failed: %r", key, err)
+        self._call("DELETE", f"/v1/prefix/{key}")
+
+    def stats(self) -> dict[str, Any] | None:
+        return self._call("GET", "/v1/stats")
+
+    def maintain(self) -> dict[str, Any] | None:
+        return self._call("POST", "/v1/maintenance")
 
     def close(self) -> None:
         self.http.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any] | None:
+        """The JSON answer of a 2xx, else None (logged: the caller treats it as a miss)."""
+        kwargs["headers"] = {**_trace_headers(), **kwargs.get("headers", {})}
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as err:
+            log.warning("cache %s %s failed: %r", method, path, err)
+            return None
+        if response.status_code >= 300:
+            if response.status_code != 404:
+                log.warning("cache %s %s: %s %s", method, path, response.status_code, response.text[:200])
+            return None
+        return response.json() if response.content else {}
+
+
+def _error_type(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["type"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _trace_headers() -> dict[str, str]:

@@ -1,8 +1,9 @@
 """How long stored prefixes live: retention classes with TTLs, per-tenant overrides.
 
 A request names its tenant (header X-DeepMesh-Tenant, default "default") and may choose its
-class (header X-DeepMesh-Retention); otherwise its endpoint's default applies: Anthropic
-Messages, the protocol of coding agents, is `agent`; the OpenAI protocols are `chat`.
+class (header X-DeepMesh-Retention, or the body field `"deepmesh": {"retention": ...}`);
+otherwise its endpoint's default applies: Anthropic Messages, the protocol of coding agents,
+is `agent`; the OpenAI protocols are `chat`.
 Defaults follow DeepSeek's service: agent 3 days, chat 7 days.
 """
 
@@ -44,5 +45,5 @@ def request_error(tenant: str | None, retention_class: str | None) -> str | None
     if tenant is not None and not TENANT_PATTERN.fullmatch(tenant):
         return "X-DeepMesh-Tenant must be 1 to 64 letters, digits, '.', '_' or '-'"
     if retention_class is not None and retention_class not in CLASSES:
-        return f"X-DeepMesh-Retention must be one of {', '.join(CLASSES)}"
+        return f"the retention class must be one of {', '.join(CLASSES)}, not {retention_class!r}"
     return None

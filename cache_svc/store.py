@@ -1,174 +1,486 @@
-"""State blobs by key in two tiers: process memory (bounded, LRU) and a local-disk directory.
+"""The KV cache: prefix states stored once per block across tiers, found by the longest prefix.
 
-A put returns a handle with the blob's size, checksum and lease expiry. Memory overflow
-demotes the least recently used blobs to disk rather than dropping them; a get checks the
-checksum, and a corrupt or missing blob is a miss (the caller recomputes), never wrong data.
-Leases keep in-flight state alive for a bounded time: a lapsed lease frees the blob.
-Blobs stored as prefix anchors (put_prefix) are also indexed, so that a prompt can find the
-longest stored state it starts with (cache_svc/prefix.py); they leave the index with the blob.
+An entry is the state after an exact prefix of tokens (an *anchor*): the end of a request's
+input, the end of its output, or a block boundary inside a long input. Its state is split
+into the compressed state of its full 128-token blocks, each stored once as a *block* blob
+keyed by the hash chain up to it (so conversations with a common start share them), and a
+*head* blob: the window snapshot and the partial last block. Metadata lives in the catalog
+(SQL); bytes live in tiers, fastest first:
+
+    T1 memory (bytes capacity, LRU) -> T2 local disk -> T3 shared (directory or Redis)
+
+Writes go to T1 and reach the lower tiers by write-behind (`flush`); a hit in a lower tier is
+promoted back to T1. A full tier demotes its least recently used blobs to the next one (making
+sure they are there first); only the last tier drops them (an eviction), or expiry. Every
+blob carries a sha256; a blob that fails it is removed with its entry and is a miss, so the
+caller recomputes: never wrong state. Leases pin an entry (and its blocks) while a hand-over
+is in flight: pinned entries are not evicted or expired until the lease is released or lapses.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from cache_svc.prefix import PrefixIndex, anchor_key
+import torch
+from safetensors.torch import load, save
 
+from cache_svc.catalog import Catalog, Entry
+from cache_svc.prefix import anchor_key, block_key, chain
+from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
+from common import metrics
+from common.settings import Settings
+from engine.config import BLOCK_SIZE
+from engine.state_transfer import SnapshotError, StateSnapshot
 
-@dataclass
-class _Entry:
-    checksum: str
-    lease_expires_at: float
-    data: bytes | None  # None once demoted to disk
+log = logging.getLogger(__name__)
+
+# Assumed read speeds (bytes/s) until a tier has been measured, for load-or-recompute.
+ASSUMED_READ_SPEED = {"memory": 5e9, "disk": 1e9}
+DEFAULT_READ_SPEED = 2e8
 
 
 def checksum_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclass
+class Stored:
+    key: str
+    checksum: str  # of the head blob
+    num_tokens: int
+    expires_at: float
+    size: int  # the whole entry: its head and all its blocks
+    new_bytes: int  # bytes written: the head and the blocks no other entry had stored
+
+
+@dataclass
+class PrefixMatch:
+    """The longest usable stored prefix of a prompt (key None: none) and, beyond it, how many
+    of the prompt's tokens are covered by blocks other prompts stored: where they diverge."""
+
+    key: str | None = None
+    num_tokens: int = 0
+    shared_tokens: int = 0
+    size: int = 0  # bytes to load: head and blocks
+    load_seconds: float = 0.0  # estimated from the tiers holding it
+    miss_reason: str | None = None
+
+
+@dataclass
+class _Speed:
+    """Exponentially weighted read speed of a tier."""
+
+    bytes_per_second: float
+    samples: int = 0
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size < 4096 or seconds <= 0:  # tiny reads measure overheads, not speed
+            return
+        speed = size / seconds
+        self.bytes_per_second = speed if self.samples == 0 else 0.8 * self.bytes_per_second + 0.2 * speed
+        self.samples += 1
+
+
+@dataclass
+class MaintenanceReport:
+    flushed: int = 0
+    demoted: int = 0
+    evicted: int = 0
+    expired: int = 0
+    orphans: int = 0
+    details: dict[str, int] = field(default_factory=dict)
+
+
 class StateStore:
-    def __init__(
-        self,
-        directory: str | Path,
-        memory_bytes: int = 1 << 30,
-        clock: Callable[[], float] = time.time,
-    ):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.memory_bytes = memory_bytes
+    def __init__(self, catalog: Catalog, tiers: list[Tier], clock: Callable[[], float] = time.time):
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.catalog = catalog
+        self.tiers = tiers
         self.clock = clock
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
-        self._in_memory = 0
-        self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "demotions": 0, "expired": 0}
-        self.prefixes = PrefixIndex()
+        self._lock = threading.RLock()
+        self._dirty: dict[str, None] = {}  # written to T1, not yet to the tiers below (ordered set)
+        self.speeds = {t.name: _Speed(ASSUMED_READ_SPEED.get(t.name, DEFAULT_READ_SPEED)) for t in tiers}
+        for tier in tiers:
+            tier.load()
+            metrics.CACHE_TIER_BYTES.labels(tier.name).set_function(lambda t=tier: t.used_bytes)
+            metrics.CACHE_TIER_ENTRIES.labels(tier.name).set_function(lambda t=tier: len(t.lru))
 
-    def put(self, key: str, data: bytes, lease_seconds: float) -> tuple[str, float]:
-        """Store a blob; returns (checksum, lease expiry)."""
-        _check_key(key)
-        entry = _Entry(checksum_of(data), self.clock() + lease_seconds, data)
-        with self._lock:
-            self._drop(key)
-            self._entries[key] = entry
-            self._in_memory += len(data)
-            self._demote_overflow()
-        return entry.checksum, entry.lease_expires_at
+    @classmethod
+    def from_settings(cls, settings: Settings, clock: Callable[[], float] = time.time) -> StateStore:
+        """T1 memory, T2 the local directory, and T3 a shared directory or Redis server if one is set."""
+        tiers: list[Tier] = [
+            MemoryTier(settings.cache_memory_bytes),
+            DirectoryTier(settings.cache_dir, settings.cache_disk_bytes or None),
+        ]
+        if settings.cache_shared_dir:
+            tiers.append(DirectoryTier(settings.cache_shared_dir, settings.cache_shared_bytes or None, "shared", True))
+        elif settings.cache_shared_redis_url:
+            tiers.append(RedisTier(settings.cache_shared_redis_url, settings.cache_shared_bytes or None))
+        return cls(Catalog(settings.database_url), tiers, clock)
 
-    def put_prefix(self, namespace: str, token_ids: Sequence[int], data: bytes, ttl_seconds: float) -> str:
-        """Store the state after exactly `token_ids` as an anchor that longer prompts can start from."""
-        key = anchor_key(token_ids, namespace)
-        self.put(key, data, ttl_seconds)
-        self.index_prefix(namespace, token_ids, key)
-        return key
+    # -- entries ----------------------------------------------------------------------------
 
-    def index_prefix(self, namespace: str, token_ids: Sequence[int], key: str) -> None:
-        if key != anchor_key(token_ids, namespace):
-            raise ValueError("the key is not these tokens' anchor key")
+    def put_prefix(
+        self,
+        namespace: str,
+        data: bytes,
+        ttl_seconds: float,
+        lease_holder: str | None = None,
+        lease_seconds: float = 0.0,
+    ) -> Stored:
+        """Store a snapshot as the anchor of the tokens it was computed from, in `namespace`
+        (layout/tenant). With a lease holder it is pinned for lease_seconds (a hand-over)."""
+        snapshot = StateSnapshot.from_bytes(data)
+        if not namespace.startswith(snapshot.layout + "/"):
+            raise SnapshotError(f"namespace {namespace!r} is not of the snapshot's layout {snapshot.layout}")
+        tokens = snapshot.token_ids[: snapshot.num_computed]
+        links = chain(tokens, namespace)
+        full = _full_blocks(snapshot)
+        # canonical: the state of exactly these tokens, whatever request computed it
+        head = StateSnapshot(
+            snapshot.layout, tokens, len(tokens), len(tokens), 0, snapshot.blocks[full:], snapshot.slot
+        )
+        head_blob = head.to_bytes()
+        now = self.clock()
+        tenant = namespace.split("/", 1)[1]
+        blobs = {anchor_key(tokens, namespace, links): head_blob}
+        blobs |= {block_key(links[i + 1]): save({"row": snapshot.blocks[i].contiguous()}) for i in range(full)}
+        keys = list(blobs)
+        entries = [
+            Entry(
+                key=key,
+                kind="anchor" if i == 0 else "block",
+                tenant=tenant,
+                link=links[len(tokens) // BLOCK_SIZE].hex() if i == 0 else key.removeprefix("block-"),
+                num_tokens=len(tokens) if i == 0 else i * BLOCK_SIZE,
+                size=len(blobs[key]),
+                checksum=checksum_of(blobs[key]),
+                blocks=keys[1:] if i == 0 else [],
+                tiers="",
+                leases={lease_holder: now + lease_seconds} if lease_holder else {},
+                created_at=now,
+                expires_at=now + ttl_seconds,
+                hits=0,
+            )
+            for i, key in enumerate(keys)
+        ]
         with self._lock:
-            if key not in self._entries:
-                raise KeyError(f"no state {key!r} to index")
-            self.prefixes.add(token_ids, namespace)
+            new = self.catalog.add(entries[0], entries[1:])
+            for key in keys:
+                if key in new:  # a known entry keeps the bytes it has
+                    self.tiers[0].write(key, blobs[key])
+                    self._dirty[key] = None
+            self._make_room(0)
+        size, written = sum(map(len, blobs.values())), sum(len(blobs[k]) for k in new)
+        return Stored(keys[0], entries[0].checksum, len(tokens), now + ttl_seconds, size, written)
 
-    def longest_prefix(self, namespace: str, token_ids: Sequence[int], below: int) -> tuple[str, int] | None:
-        """(key, length) of the longest stored anchor shorter than `below` that starts `token_ids`."""
-        with self._lock:
-            self._expire()
-        return self.prefixes.longest(token_ids, namespace, below)
+    def lookup(self, namespace: str, token_ids: Sequence[int], below: int) -> PrefixMatch:
+        """The longest live anchor shorter than `below` that starts `token_ids`."""
+        longest_allowed = min(below - 1, len(token_ids))
+        tokens = list(token_ids[:longest_allowed])
+        links = chain(tokens, namespace)
+        now = self.clock()
+        match = PrefixMatch()
+        candidates = self.catalog.anchors_under([link.hex() for link in links], longest_allowed)
+        found: Entry | None = None
+        for n in sorted(set(candidates.values()), reverse=True):
+            key = anchor_key(tokens[:n], namespace, links)
+            if key not in candidates:  # another prompt's anchor of this length under the same link
+                continue
+            entry = self.catalog.get([key]).get(key)
+            if entry is None:  # removed since
+                continue
+            if entry.expires_at <= now and not entry.pinned(now):
+                match.miss_reason = match.miss_reason or "expired"
+                continue
+            found = entry
+            break
+        block_keys = [block_key(link) for link in links[1:]]
+        live = self.catalog.live(block_keys, now) if block_keys else set()
+        shared_blocks = 0
+        while shared_blocks < len(block_keys) and block_keys[shared_blocks] in live:
+            shared_blocks += 1
+        match.shared_tokens = shared_blocks * BLOCK_SIZE
+        if found is None:
+            short = len(token_ids) < BLOCK_SIZE
+            match.miss_reason = match.miss_reason or ("shorter_than_block" if short else "no_prefix")
+            metrics.CACHE_MISSES.labels(match.miss_reason).inc()
+            return match
+        match.key, match.num_tokens, match.miss_reason = found.key, found.num_tokens, None
+        entries = self.catalog.get([found.key, *found.blocks])
+        match.size = sum(e.size for e in entries.values())
+        match.load_seconds = sum(e.size / self._speed_of(e.key) for e in entries.values())
+        return match
 
-    def get(self, key: str) -> bytes | None:
-        _check_key(key)
-        with self._lock:
-            self._expire()
-            entry = self._entries.get(key)
-            if entry is None:
-                self.stats["misses"] += 1
-                return None
-            self._entries.move_to_end(key)
-            data = entry.data
-        if data is None:
-            try:
-                data = self._path(key).read_bytes()
-            except FileNotFoundError:
-                data = b""
-        if checksum_of(data) != entry.checksum:
-            with self._lock:
-                self.stats["corrupt"] += 1
-                self._drop(key)
-            return None
-        with self._lock:
-            self.stats["hits"] += 1
-        return data
+    def load(
+        self, key: str, renew_seconds: float = 0.0, release: str | None = None
+    ) -> tuple[StateSnapshot | None, str | None]:
+        """An anchor's whole state, or (None, reason) for a miss. A hit counts in the catalog and
+        keeps the entry for at least renew_seconds more (its retention class's TTL). `release`
+        names a lease holder whose pin the load ends (a hand-over: its loss is "lease_lost")."""
+        snapshot, reason = self._load(key, renew_seconds)
+        if release is not None:
+            self.catalog.lease(key, release, None)
+            if reason in ("evicted", "expired"):
+                reason = "lease_lost"
+        if reason is not None:
+            metrics.CACHE_MISSES.labels(reason).inc()
+        return snapshot, reason
+
+    def _load(self, key: str, renew_seconds: float) -> tuple[StateSnapshot | None, str | None]:
+        now = self.clock()
+        anchor = self.catalog.get([key]).get(key)
+        if anchor is None:
+            return None, "evicted"
+        if anchor.expires_at <= now and not anchor.pinned(now):
+            return None, "expired"
+        entries = self.catalog.get(anchor.blocks)
+        if len(entries) < len(anchor.blocks):
+            self._remove(anchor.key)
+            return None, "evicted"
+        blobs = []
+        for entry in [anchor, *(entries[k] for k in anchor.blocks)]:
+            data, reason = self._read(entry)
+            if data is None:
+                if reason == "corrupt" or self._lost(entry):
+                    self._remove(anchor.key)
+                return None, reason
+            blobs.append(data)
+        try:
+            head = StateSnapshot.from_bytes(blobs[0])
+            rows = [load(blob)["row"] for blob in blobs[1:]]
+        except Exception as err:  # checksummed yet unreadable: written by something else
+            log.warning("cache entry %s unreadable: %s", key, err)
+            self._remove(anchor.key)
+            return None, "corrupt"
+        if rows:
+            head.blocks = torch.cat([torch.stack(rows), head.blocks])
+        self.catalog.hit(key, now, now + renew_seconds)
+        return head, None
+
+    def renew(self, key: str, ttl_seconds: float) -> float | None:
+        return self.catalog.renew(key, self.clock() + ttl_seconds)
+
+    def lease(self, key: str, holder: str, seconds: float) -> bool:
+        return self.catalog.lease(key, holder, self.clock() + seconds)
+
+    def release(self, key: str, holder: str) -> bool:
+        return self.catalog.lease(key, holder, None)
 
     def delete(self, key: str) -> None:
-        _check_key(key)
-        with self._lock:
-            self._drop(key)
-
-    def renew(self, key: str, lease_seconds: float) -> float | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            entry.lease_expires_at = self.clock() + lease_seconds
-            return entry.lease_expires_at
+        """Forget an anchor; its blocks stay for the other anchors that use them (or until expiry)."""
+        self._remove(key)
 
     def expires_at(self, key: str) -> float | None:
-        """When a blob's lease (or a prefix's retention) lapses; None if there is no such blob."""
-        with self._lock:
-            entry = self._entries.get(key)
-            return None if entry is None else entry.lease_expires_at
-
-    def sweep(self) -> int:
-        """Free blobs whose lease has lapsed; returns how many."""
-        with self._lock:
-            return self._expire()
+        entry = self.catalog.get([key]).get(key)
+        return None if entry is None else entry.expires_at
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(part["entries"] for part in self.catalog.summary().values())
 
-    def _expire(self) -> int:
+    # -- maintenance (Celery tasks, or a thread in the embedded mode: cache_svc/maintenance.py) --
+
+    def flush(self) -> int:
+        """Write-behind: copy newly written blobs down to every lower tier."""
+        with self._lock:
+            keys, self._dirty = list(self._dirty), {}
+        flushed = 0
+        for key in keys:
+            with self._lock:
+                holders = [t for t in self.tiers if t.holds(key)]
+                data = holders[0].read(key) if holders else None
+                if data is None:  # removed meanwhile
+                    continue
+                for tier in self.tiers[self.tiers.index(holders[0]) + 1 :]:
+                    if not tier.holds(key):
+                        tier.write(key, data)
+                self.catalog.set_tiers(key, [t.name for t in self.tiers if t.holds(key)])
+            flushed += 1
+        return flushed
+
+    def rebalance(self) -> tuple[int, int]:
+        """Bring every tier within its capacity: demote downwards, evict from the last tier.
+        Returns (demoted, evicted)."""
+        demoted = evicted = 0
+        with self._lock:
+            for level in range(len(self.tiers)):
+                d, e = self._make_room(level)
+                demoted, evicted = demoted + d, evicted + e
+        return demoted, evicted
+
+    def sweep(self) -> int:
+        """Remove expired, unpinned entries from every tier; returns how many."""
         now = self.clock()
-        lapsed = [k for k, e in self._entries.items() if e.lease_expires_at <= now]
-        for key in lapsed:
-            self._drop(key)
-        self.stats["expired"] += len(lapsed)
-        return len(lapsed)
+        expired = [e.key for e in self.catalog.expired(now) if not e.pinned(now)]
+        with self._lock:
+            for key in expired:
+                for tier in self.tiers:
+                    tier.remove(key)
+                self._dirty.pop(key, None)
+            self.catalog.remove(expired)
+        metrics.CACHE_EXPIRED.inc(len(expired))
+        return len(expired)
 
-    def _demote_overflow(self) -> None:
-        for key, entry in self._entries.items():
-            if self._in_memory <= self.memory_bytes:
-                break
-            if entry.data is None:
+    def collect_orphans(self) -> int:
+        """Remove blobs no catalog entry names (a crash between a write and its record, or an
+        entry removed by another replica), entries whose blobs are gone from the shared tier,
+        and anchors that lost a block (evicted); returns how many."""
+        locations = self.catalog.locations()
+        removed = 0
+        with self._lock:
+            held: set[str] = set()
+            for tier in self.tiers:
+                for key in list(tier.lru):
+                    if key not in locations and key not in self._dirty:
+                        tier.remove(key)
+                        removed += 1
+                    else:
+                        held.add(key)
+        # With only local tiers, an entry this replica does not hold may be in another's memory:
+        # only one that had reached the shared tier and is no longer there is known to be lost.
+        shared = [t for t in self.tiers if t.shared]
+        lost = [
+            key
+            for key, tiers in locations.items()
+            if key not in held and any(t.name in tiers for t in shared) and not any(t.exists(key) for t in shared)
+        ]
+        broken = self.catalog.anchors_missing_blocks()
+        self.catalog.remove([*lost, *broken])
+        for key in broken:
+            self._remove(key)
+        return removed + len(lost) + len(broken)
+
+    def maintain(self) -> MaintenanceReport:
+        """Every maintenance task once, in dependency order."""
+        report = MaintenanceReport()
+        report.flushed = self.flush()
+        report.expired = self.sweep()
+        report.demoted, report.evicted = self.rebalance()
+        report.orphans = self.collect_orphans()
+        return report
+
+    def stats(self) -> dict:
+        """What `deepmesh cache stats` and /v1/stats show."""
+        return {
+            "catalog": self.catalog.summary(),
+            "tiers": [
+                {
+                    "name": t.name,
+                    "shared": t.shared,
+                    "entries": len(t.lru),
+                    "bytes": t.used_bytes,
+                    "capacity_bytes": t.capacity_bytes,
+                    "read_bytes_per_second": round(self.speeds[t.name].bytes_per_second),
+                }
+                for t in self.tiers
+            ],
+            "pending_write_behind": len(self._dirty),
+        }
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _read(self, entry: Entry) -> tuple[bytes | None, str | None]:
+        """A blob from the fastest tier holding it, checked, and promoted to T1 on a lower-tier hit."""
+        for level, tier in enumerate(self.tiers):
+            with self._lock:
+                if not (tier.holds(entry.key) or tier.shared):
+                    continue
+                started = time.perf_counter()
+                data = tier.read(entry.key)
+            if data is None:
                 continue
-            path = self._path(key)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(entry.data)
-            os.replace(tmp, path)  # readers never see a half-written blob
-            self._in_memory -= len(entry.data)
-            entry.data = None
-            self.stats["demotions"] += 1
+            seconds = time.perf_counter() - started
+            metrics.CACHE_LOAD_SECONDS.labels(tier.name).observe(seconds)
+            self.speeds[tier.name].observe(len(data), seconds)
+            if checksum_of(data) != entry.checksum:
+                log.warning("cache blob %s in %s fails its checksum: removed", entry.key, tier.name)
+                return None, "corrupt"
+            with self._lock:
+                for other in self.tiers:  # recency is global: a hot entry is the last to go anywhere
+                    other.touch(entry.key)
+            if level > 0:
+                with self._lock:
+                    self.tiers[0].write(entry.key, data)
+                    metrics.CACHE_PROMOTIONS.labels(tier.name).inc()
+                    self._make_room(0)
+            return data, None
+        return None, "evicted"
 
-    def _drop(self, key: str) -> None:
-        self.prefixes.discard(key)
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return
-        if entry.data is not None:
-            self._in_memory -= len(entry.data)
-        else:
-            self._path(key).unlink(missing_ok=True)
+    def _lost(self, entry: Entry) -> bool:
+        """Whether a blob this replica cannot find is gone for good. With a shared tier, only if it
+        had reached that tier: until its write-behind, it may be in the writer's own memory."""
+        shared = [t.name for t in self.tiers if t.shared]
+        return not shared or any(name in shared for name in entry.tier_names)
 
-    def _path(self, key: str) -> Path:
-        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()}.blob"
+    def _speed_of(self, key: str) -> float:
+        for tier in self.tiers:
+            if tier.holds(key):
+                return self.speeds[tier.name].bytes_per_second
+        return self.speeds[self.tiers[-1].name].bytes_per_second
+
+    def _make_room(self, level: int) -> tuple[int, int]:
+        """Demote T[level]'s least recently used blobs until it fits (or drop them, from the last tier)."""
+        tier = self.tiers[level]
+        demoted = evicted = 0
+        if not tier.over_capacity:
+            return 0, 0
+        last = level == len(self.tiers) - 1
+        coldest = tier.coldest()
+        for start in range(0, len(coldest), 256):
+            if not tier.over_capacity:
+                break
+            batch = coldest[start : start + 256]
+            now = self.clock()
+            pinned = {k for k, e in self.catalog.get(batch).items() if e.pinned(now)} if last else set()
+            for key in batch:
+                if not tier.over_capacity:
+                    break
+                if last:
+                    if key not in pinned:  # a pinned entry waits for its lease
+                        self._evict(key)
+                        metrics.CACHE_EVICTIONS.labels(tier.name).inc()
+                        evicted += 1
+                    continue
+                below = self.tiers[level + 1]
+                if not below.holds(key):
+                    data = tier.read(key)
+                    if data is not None:
+                        below.write(key, data)
+                tier.remove(key)
+                metrics.CACHE_DEMOTIONS.labels(tier.name).inc()
+                demoted += 1
+        if not last and self.tiers[level + 1].over_capacity:
+            d, e = self._make_room(level + 1)
+            demoted, evicted = demoted + d, evicted + e
+        return demoted, evicted
+
+    def _evict(self, key: str) -> None:
+        """Drop a blob for good. An anchor that needs an evicted block is a miss when next loaded
+        (and removed then, or by collect_orphans)."""
+        for tier in self.tiers:
+            tier.remove(key)
+        self._dirty.pop(key, None)
+        self.catalog.remove([key])
+
+    def _remove(self, key: str) -> None:
+        with self._lock:
+            for tier in self.tiers:
+                tier.remove(key)
+            self._dirty.pop(key, None)
+            self.catalog.remove([key])
 
 
-def _check_key(key: str) -> None:
-    if not key or len(key) > 512:
-        raise ValueError("a key is 1 to 512 characters")
+def _full_blocks(snapshot: StateSnapshot) -> int:
+    """How many of a snapshot's block rows are complete 128-token blocks (shareable)."""
+    if snapshot.blocks.ndim != 2 or snapshot.blocks.shape[1] == 0:
+        return 0
+    return min(snapshot.num_computed // BLOCK_SIZE, snapshot.blocks.shape[0])

@@ -44,3 +44,21 @@ PREFIX_TOKENS = Counter(
     "deepmesh_prefix_cache_tokens", "Prompt tokens loaded from a stored prefix (hit) or computed (miss)", ["outcome"]
 )
 STATE_BYTES = Counter("deepmesh_state_bytes", "Bytes of state moved through the cache service", ["direction"])
+
+# the KV cache (cache_svc): tiers are memory, disk, and a shared directory or Redis
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+CACHE_MISSES = Counter(
+    "deepmesh_cache_misses",
+    "Prefix lookups and loads that found no usable state, by reason "
+    "(no_prefix, shorter_than_block, expired, evicted, corrupt, lease_lost, too_slow)",
+    ["reason"],
+)
+CACHE_TIER_BYTES = Gauge("deepmesh_cache_tier_bytes", "Bytes held in a cache tier (this replica's view)", ["tier"])
+CACHE_TIER_ENTRIES = Gauge("deepmesh_cache_tier_entries", "Blobs held in a cache tier (this replica's view)", ["tier"])
+CACHE_LOAD_SECONDS = Histogram(
+    "deepmesh_cache_load_seconds", "Time to read one blob from a tier", ["tier"], buckets=LOAD_BUCKETS
+)
+CACHE_EVICTIONS = Counter("deepmesh_cache_evictions", "Blobs dropped from the last tier for room", ["tier"])
+CACHE_DEMOTIONS = Counter("deepmesh_cache_demotions", "Blobs moved down a tier for room", ["tier"])
+CACHE_PROMOTIONS = Counter("deepmesh_cache_promotions", "Blobs copied up to memory on a hit", ["tier"])
+CACHE_EXPIRED = Counter("deepmesh_cache_expired", "Blobs removed from every tier at their expiry")

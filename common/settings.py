@@ -28,3 +28,12 @@ class Settings(BaseSettings):
     retention_agent_seconds: float = 3 * 86400  # how long stored prefixes live, by retention class
     retention_chat_seconds: float = 7 * 86400
     retention_overrides: dict[str, dict[str, float]] = {}  # per tenant, JSON: {"acme": {"agent": 86400}}
+    # the KV cache (cache_svc): tiers, anchors, maintenance
+    cache_dir: str = ".cache/kv"  # T2, this replica's local disk
+    cache_memory_bytes: int = 1 << 30  # T1 capacity
+    cache_disk_bytes: int = 20 << 30  # T2 capacity
+    cache_shared_dir: str = ""  # T3 as a POSIX directory shared by all replicas (3FS, NFS, Lustre mount)
+    cache_shared_redis_url: str = ""  # T3 as a Redis server (when no shared directory is set)
+    cache_shared_bytes: int = 0  # T3 capacity; 0: unbounded
+    cache_anchor_interval: int = 1024  # tokens between the anchors stored inside a long prompt; 0: none
+    cache_maintenance_seconds: float = 2.0  # how often write-behind, expiry, rebalancing and GC run

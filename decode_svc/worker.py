@@ -15,7 +15,7 @@ from common.messages import BadMessage, DecodePayload, Envelope, JobStart, Token
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span, within
 from common.worker import Worker
-from engine import EngineError, LLMEngine, SamplingParams, SnapshotError, StateSnapshot
+from engine import EngineError, LLMEngine, SamplingParams, StateSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ class DecodeWorker(Worker):
             seed=payload.seed,
             keep_final_state=True,  # stored below as where the conversation's next turn can resume
         )
-        with job_span("cache.get", job_id, kind=SpanKind.CLIENT):
-            snapshot = self._fetch(payload)
+        with job_span("cache.load", job_id, kind=SpanKind.CLIENT):
+            snapshot = self._fetch(job_id, payload)
         if snapshot is not None and self.engine.import_state(job_id, snapshot, params):
             self.loaded += 1
             outcome = "loaded"
@@ -120,19 +120,30 @@ class DecodeWorker(Worker):
         self.send(Topic.TOKENS, self._tokens_message(job, job_id, tokens), job.headers)
         self._finish(job_id, job, "cancelled")
 
-    def _fetch(self, payload: DecodePayload) -> StateSnapshot | None:
+    def _fetch(self, job_id: str, payload: DecodePayload) -> StateSnapshot | None:
+        """The prompt's state prefill stored, as this job's: or None (recompute) when it is gone."""
         kv = payload.kv
-        if kv is None or kv.layout != self.engine.layout:
+        if kv is None:
             return None
-        data = self.store.get(kv.key)
-        if data is None:
+        if kv.layout != self.engine.layout:
+            log.warning("state %s has layout %s, not this engine's %s", kv.key, kv.layout, self.engine.layout)
+            self.store.release(kv.key, job_id)
             return None
-        metrics.STATE_BYTES.labels("get").inc(len(data))
-        try:
-            return StateSnapshot.from_bytes(data)
-        except SnapshotError as err:
-            log.warning("unusable state %s: %s", kv.key, err)
+        snapshot, _ = self.store.load(kv.key, release=job_id)  # loaded (or gone): the pin is done
+        if snapshot is None:
             return None
+        prompt = payload.prompt_token_ids
+        if snapshot.num_computed != len(prompt) or snapshot.token_ids[: len(prompt)] != prompt:
+            log.warning("state %s is not of this job's prompt", kv.key)
+            return None
+        metrics.STATE_BYTES.labels("get").inc(kv.size)
+        # an anchor holds the state of its tokens alone: this job continues it from its first token
+        snapshot.token_ids, snapshot.prompt_len, snapshot.seed = (
+            [*prompt, payload.first_token],
+            len(prompt),
+            payload.seed,
+        )
+        return snapshot
 
     def idle(self) -> None:
         if not self.jobs:
@@ -158,21 +169,16 @@ class DecodeWorker(Worker):
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
     def _finish(self, job_id: str, job: _Job, outcome: str, final_state: StateSnapshot | None = None) -> None:
-        """Free the job's handed-over state, store its final state as a prefix anchor, close its
-        span and let its record be committed."""
+        """Store the job's final state as a prefix anchor, close its span and let its record be committed."""
         with within(job.span, job_id, end=True):
             job.span.set_attribute("deepmesh.finish", outcome)
             job.span.set_attribute("deepmesh.tokens_messages", job.next_seq)
-            if job.payload.kv is not None:
-                with job_span("cache.delete", job_id, kind=SpanKind.CLIENT):
-                    self.store.delete(job.payload.kv.key)
             if final_state is not None:
                 data = final_state.to_bytes()
-                anchor = final_state.token_ids[: final_state.num_computed]
                 with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
                     namespace = namespace_of(self.engine.layout, job.payload.tenant)
                     ttl = self.retention.ttl(job.payload.tenant, job.payload.retention)
-                    self.store.put_prefix(namespace, anchor, data, ttl)
+                    self.store.put_prefix(namespace, data, ttl)
                 metrics.STATE_BYTES.labels("put").inc(len(data))
         self.watermarks.release(job_id)
 

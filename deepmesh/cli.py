@@ -67,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             service.add_argument("--metrics-port", type=int, default=None, help="/metrics port (DEEPMESH_METRICS_PORT)")
         if name == "cache":
-            service.add_argument("--dir", type=Path, default=Path(".cache/state"))
+            service.add_argument(
+                "action", nargs="?", choices=["serve", "stats"], default="serve", help="stats: print the cache's state"
+            )
+            service.add_argument("--dir", type=Path, default=None, help="T2 directory (default: DEEPMESH_CACHE_DIR)")
+            service.add_argument(
+                "--url", default=None, help="stats of this cache service (default: DEEPMESH_CACHE_URL)"
+            )
         service.set_defaults(run=_service)
 
     show = commands.add_parser("trace", help="print a job's trace as a span tree, from the JSON-lines trace file")
@@ -117,6 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from cache_svc.retention import Retention
+    from cache_svc.store import StateStore
     from common.bus import MemoryBus
     from common.settings import Settings
     from deepmesh.mesh import Mesh
@@ -135,9 +142,11 @@ def _serve(args: argparse.Namespace) -> int:
     mesh = Mesh(
         model,
         bus,
-        Path(".cache/state"),
+        StateStore.from_settings(settings),
         served_model=args.served_model_name,
         retention=Retention.from_settings(settings),
+        anchor_interval=settings.cache_anchor_interval,
+        maintenance_seconds=settings.cache_maintenance_seconds,
     )
     mesh.start([mesh.tokenizer])
     app = create_app(bus, "deepmesh.", [args.served_model_name], JobStore(settings.database_url))
@@ -172,11 +181,16 @@ def _service(args: argparse.Namespace) -> int:
 
     settings = Settings()
     model = args.model or Path(settings.model)
+    if args.command == "cache" and args.action == "stats":
+        return _cache_stats(args.url or settings.cache_url)
     if args.command == "cache":
         from cache_svc.app import create_app as create_cache_app
         from cache_svc.store import StateStore
 
-        uvicorn.run(create_cache_app(StateStore(args.dir)), host=args.host, port=args.port, log_level="warning")
+        if args.dir is not None:
+            settings.cache_dir = str(args.dir)
+        store = StateStore.from_settings(settings)
+        uvicorn.run(create_cache_app(store), host=args.host, port=args.port, log_level="warning")
         return 0
     bus = KafkaBus(settings.kafka_bootstrap, client_id=f"deepmesh-{args.command}")
     bus.create_topics(all_topic_names(settings.topic_prefix), settings.topic_partitions)
@@ -203,6 +217,36 @@ def _service(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_stats(url: str) -> int:
+    """Tiers and entries from /v1/stats, then the cache's Prometheus series (hits, misses by
+    reason, load latency, evictions, demotions)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        stats = httpx.get(f"{url.rstrip('/')}/v1/stats", timeout=10).raise_for_status().json()
+        exposition = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).raise_for_status().text
+    except httpx.HTTPError as err:
+        raise ValueError(f"cannot read the cache service at {url}: {err}") from err
+    for kind, part in sorted(stats["catalog"].items()):
+        print(f"{kind + 's':<10} {part['entries']:>10,} entries {part['bytes']:>16,} bytes")
+    print(f"{'tier':<10} {'entries':>10} {'bytes':>16} {'capacity':>16} {'read MB/s':>10}")
+    for tier in stats["tiers"]:
+        capacity = f"{tier['capacity_bytes']:,}" if tier["capacity_bytes"] else "unbounded"
+        speed = tier["read_bytes_per_second"] / 1e6
+        print(f"{tier['name']:<10} {tier['entries']:>10,} {tier['bytes']:>16,} {capacity:>16} {speed:>10.0f}")
+    print(f"waiting for write-behind: {stats['pending_write_behind']}")
+    for family in text_string_to_metric_families(exposition):
+        if not family.name.startswith(("deepmesh_cache", "deepmesh_prefix")) or family.type == "histogram":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sample.labels.items())
+            print(f"{sample.name}{{{labels}}} {sample.value:g}")
+    return 0
+
+
 def _make_worker(command: str, bus, settings, model: Path):
     if command == "tokenizer":
         from tokenizer_svc.protocol import Codec
@@ -218,7 +262,14 @@ def _make_worker(command: str, bus, settings, model: Path):
     if command == "prefill":
         from prefill_svc.worker import PrefillWorker
 
-        return PrefillWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url), retention=retention)
+        return PrefillWorker(
+            bus,
+            settings.topic_prefix,
+            engine,
+            StateClient(settings.cache_url),
+            retention=retention,
+            anchor_interval=settings.cache_anchor_interval,
+        )
     from decode_svc.worker import DecodeWorker
 
     return DecodeWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url), retention=retention)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from cache_svc.maintenance import MaintenanceThread
 from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common.bus import Bus
@@ -28,23 +29,28 @@ class Mesh:
         self,
         model_path: str | Path,
         bus: Bus,
-        state_dir: str | Path,
+        store: StateStore,
         served_model: str = "deepmesh-tiny",
         topic_prefix: str = "deepmesh.",
         partitions: int = 4,
         retention: Retention | None = None,
+        anchor_interval: int = 1024,
+        maintenance_seconds: float = 2.0,
         **engine_options,
     ):
         model_path = Path(model_path)
         self.bus = bus
         bus.create_topics(all_topic_names(topic_prefix), partitions)
         prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
-        decode_engine = LLMEngine(prefill_engine.model, **engine_options)  # one copy of the weights
+        decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **engine_options)  # one copy
         codec = Codec.for_model(model_path, served_model)
-        self.store = StateStore(state_dir)
+        self.store = store
+        self.maintenance_seconds = maintenance_seconds
         self.tokenizer = TokenizerWorker(bus, topic_prefix, codec)
-        self.prefill = PrefillWorker(bus, topic_prefix, prefill_engine, self.store, retention=retention)
-        self.decode = DecodeWorker(bus, topic_prefix, decode_engine, self.store, retention=retention)
+        self.prefill = PrefillWorker(
+            bus, topic_prefix, prefill_engine, store, retention=retention, anchor_interval=anchor_interval
+        )
+        self.decode = DecodeWorker(bus, topic_prefix, decode_engine, store, retention=retention)
         self.workers: list[Worker] = [self.tokenizer, self.prefill, self.decode]
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -54,8 +60,12 @@ class Mesh:
         return [self.prefill, self.decode]
 
     def start(self, workers: list[Worker] | None = None) -> Mesh:
-        """Run the workers (by default all of them) on background threads, engine workers on one thread."""
+        """Run the workers (by default all of them) on background threads, engine workers on one
+        thread, and the cache's maintenance tasks on another."""
         workers = workers if workers is not None else self.workers
+        maintenance = MaintenanceThread(self.store, self.maintenance_seconds, self.stopping)
+        maintenance.start()
+        self._threads.append(maintenance)
         engines = [w for w in workers if isinstance(w, (PrefillWorker, DecodeWorker))]
         groups = [[w] for w in workers if w not in engines] + ([engines] if engines else [])
         for group in groups:

@@ -12,7 +12,7 @@ import torch
 from engine.backends import keep_freed_memory_in_process, select_backend
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
-from engine.loader import load_model
+from engine.loader import load_model, weights_id
 from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -32,7 +32,10 @@ class LLMEngine:
         num_blocks: int | None = None,
         state_memory_bytes: int = 4 << 30,
         kernel_backend: str | None = None,
+        weights: str = "",
     ):
+        """`weights` names the checkpoint (loader.weights_id): part of the state layout, so that
+        state is only ever shared between engines running the same weights."""
         self.model = model
         self.config: ModelConfig = model.config
         self.device = model.lm_head.weight.device
@@ -59,17 +62,27 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random()
-        self.layout = layout_id(self.config, self.dtype)
+        self.last_step_tokens = 0  # tokens the last step computed (a prefill worker measures its speed)
+        self.weights = weights
+        self.layout = layout_id(self.config, self.dtype, weights)
 
     @classmethod
     def from_pretrained(
         cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None, **kwargs
     ) -> LLMEngine:
-        return cls(load_model(path, device=device, dtype=dtype), **kwargs)
+        return cls(load_model(path, device=device, dtype=dtype), weights=weights_id(path), **kwargs)
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: SequenceOf[int], sampling_params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        sampling_params: SamplingParams,
+        snapshot_at: SequenceOf[int] = (),
+    ) -> None:
+        """Queue a request. `snapshot_at`: prompt positions after which a step's output carries
+        a copy of the state (RequestOutput.prefix_state), for a prefix cache to store."""
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt = self._validate_tokens(prompt_token_ids)
@@ -85,6 +98,7 @@ class LLMEngine:
             )
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
+        seq.snapshot_at = _snapshot_positions(snapshot_at, len(prompt))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -107,12 +121,15 @@ class LLMEngine:
             raise InvalidRequestError(f"request {request_id!r} has no computed state yet")
         return self._snapshot(seq)
 
-    def _snapshot(self, seq: Sequence) -> StateSnapshot:
+    def _snapshot(self, seq: Sequence, prefix_only: bool = False) -> StateSnapshot:
+        """The sequence's state; with prefix_only, as the state of its computed tokens alone (a
+        prefix cache entry), without the tokens that follow them."""
         n_blocks = self.cache.blocks_needed(seq.num_computed) if self.cache.uses_blocks else 0
+        token_ids = seq.token_ids[: seq.num_computed] if prefix_only else seq.token_ids
         return StateSnapshot(
             layout=self.layout,
-            token_ids=seq.token_ids,
-            prompt_len=len(seq.prompt_token_ids),
+            token_ids=token_ids,
+            prompt_len=len(token_ids) if prefix_only else len(seq.prompt_token_ids),
             num_computed=seq.num_computed,
             seed=seq.seed,
             blocks=self.cache.blocks[seq.block_table[:n_blocks]].clone(),
@@ -138,6 +155,7 @@ class LLMEngine:
         snapshot: StateSnapshot,
         prompt_token_ids: SequenceOf[int],
         sampling_params: SamplingParams,
+        snapshot_at: SequenceOf[int] = (),
     ) -> bool:
         """Start a request whose prompt begins with the tokens a snapshot's state was computed from:
         load that state and prefill only the rest of the prompt.
@@ -155,7 +173,7 @@ class LLMEngine:
             raise SnapshotError(f"a {cached}-token prefix leaves nothing to compute of a {len(prompt)}-token prompt")
         if list(snapshot.token_ids[:cached]) != prompt[:cached]:
             raise SnapshotError("the snapshot's tokens are not a prefix of the prompt")
-        self.add_request(request_id, prompt, sampling_params)
+        self.add_request(request_id, prompt, sampling_params, [p for p in snapshot_at if p > cached])
         seq = self.seqs[request_id]
         self.scheduler.waiting.remove(seq)
         return self._load(seq, snapshot)
@@ -237,6 +255,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
+        self.last_step_tokens = sum(batch.num_tokens) if batch else 0
         if batch is None:
             return outputs
         slices, token_ids, last_rows, sampled = [], [], [], []
@@ -250,6 +269,10 @@ class LLMEngine:
         hidden = self.model(step, self.cache)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed += n
+            if seq.snapshot_at and seq.num_computed == seq.snapshot_at[0]:
+                seq.snapshot_at.pop(0)
+                prefix = self._snapshot(seq, prefix_only=True)
+                outputs.append(RequestOutput(seq.request_id, [], [], False, None, prefix_state=prefix))
         if not sampled:
             return outputs
         logits = self.model.compute_logits(hidden[last_rows])
@@ -351,3 +374,12 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return tokens
+
+
+def _snapshot_positions(positions: SequenceOf[int], prompt_len: int) -> list[int]:
+    """Sorted, distinct positions inside the prompt: after at least one token, before its last
+    (whose logits a step must compute anyway)."""
+    bad = [p for p in positions if not isinstance(p, int) or not 0 < p < prompt_len]
+    if bad:
+        raise InvalidRequestError(f"snapshot positions must be in [1, {prompt_len - 1}], got {bad[:5]}")
+    return sorted(set(positions))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -84,3 +85,17 @@ def load_model(
             loaded[name] = tensor.to(device=device, dtype=expected[name].dtype)
     model.load_state_dict(loaded, assign=True)
     return model.eval()
+
+
+def weights_id(path: str | Path) -> str:
+    """A fingerprint of a checkpoint's weights (each file's name, size, first and last 64 KiB):
+    state computed by one checkpoint must never be taken for another's with the same config."""
+    digest = hashlib.sha256()
+    for file in checkpoint_files(Path(path)):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(1 << 16))
+            f.seek(max(0, size - (1 << 16)))
+            digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:16]

@@ -65,7 +65,7 @@ class Scheduler:
                 break
             if seq.num_pending <= 1 or seq not in self.running:
                 continue
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_schedulable, budget)
             if not self._reserve(seq, seq.num_computed + n, protect=seqs):
                 break
             seqs.append(seq)
@@ -73,7 +73,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_schedulable, budget)
             if self.cache.num_free_slots == 0 or not self._fits(seq.num_computed + n, seq):
                 break
             self.waiting.popleft()

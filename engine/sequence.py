@@ -67,6 +67,9 @@ class Sequence:
     slot: int | None = None
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # prompt positions (ascending) after which the engine hands back a copy of the state, so a
+    # prefix cache can store it; a prefill chunk ends at each of them
+    snapshot_at: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -79,6 +82,13 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def num_schedulable(self) -> int:
+        """Tokens the next step may compute: the pending ones, up to the next snapshot position."""
+        if self.snapshot_at:
+            return min(self.num_pending, self.snapshot_at[0] - self.num_computed)
+        return self.num_pending
 
     @property
     def is_finished(self) -> bool:
@@ -96,6 +106,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     num_prompt_tokens: int = 0
     final_state: StateSnapshot | None = None  # with keep_final_state, when the request stops or reaches its length
+    prefix_state: StateSnapshot | None = None  # the state at one of the request's snapshot_at positions
 
 
 @dataclass

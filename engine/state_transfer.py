@@ -27,10 +27,17 @@ class SnapshotError(EngineError):
     """A snapshot this engine cannot use: unreadable, or of another layout."""
 
 
-def layout_id(config: ModelConfig, dtype: torch.dtype) -> str:
-    """Names everything a snapshot's bytes depend on; equal ids mean interchangeable state."""
+def layout_id(config: ModelConfig, dtype: torch.dtype, weights: str = "") -> str:
+    """Names everything a snapshot's bytes depend on (format, config, dtype, the checkpoint's
+    weights); equal ids mean interchangeable state."""
     described = json.dumps(
-        {"format": FORMAT_VERSION, "block": BLOCK_SIZE, "dtype": str(dtype), "config": config.to_dict()},
+        {
+            "format": FORMAT_VERSION,
+            "block": BLOCK_SIZE,
+            "dtype": str(dtype),
+            "config": config.to_dict(),
+            "weights": weights,
+        },
         sort_keys=True,
     )
     return f"v{FORMAT_VERSION}-{hashlib.sha256(described.encode()).hexdigest()[:16]}"

@@ -246,9 +246,18 @@ def create_app(
             return protocol_error(endpoint, 400, "the request body must be a JSON object")
         return body
 
-    def cache_options(endpoint: str, request: Request) -> dict | Response:
-        """The tenant and retention class the request names in its headers, or the protocol's error."""
+    def cache_options(endpoint: str, request: Request, body: dict) -> dict | Response:
+        """The tenant and retention class the request names, or the protocol's error. The class
+        comes from the X-DeepMesh-Retention header or the body's `"deepmesh": {"retention": ...}`
+        (taken out of the body: it is not part of the protocol)."""
         tenant, retention = request.headers.get("x-deepmesh-tenant"), request.headers.get("x-deepmesh-retention")
+        extension = body.pop("deepmesh", None)
+        if extension is not None:
+            if not isinstance(extension, dict) or set(extension) - {"retention"}:
+                return protocol_error(endpoint, 400, 'the "deepmesh" field is an object with one key, "retention"')
+            if retention is not None and extension.get("retention") not in (None, retention):
+                return protocol_error(endpoint, 400, "the retention header and body field disagree")
+            retention = retention or extension.get("retention")
         problem = request_error(tenant, retention)
         if problem is not None:
             return protocol_error(endpoint, 400, problem)
@@ -277,7 +286,7 @@ def create_app(
         body = await read_object(endpoint, request)
         if isinstance(body, Response):
             return body
-        options = cache_options(endpoint, request)
+        options = cache_options(endpoint, request, body)
         if isinstance(options, Response):
             return options
         queue = router.watch(job_id)
@@ -352,7 +361,7 @@ def create_app(
             return protocol_error("jobs", 400, "endpoint must be one of chat.completions, responses, messages")
         if not isinstance(body, dict):
             return protocol_error("jobs", 400, "body must be the JSON object of the request")
-        options = cache_options("jobs", request)
+        options = cache_options("jobs", request, body)
         if isinstance(options, Response):
             return options
         job_id = uuid.uuid4().hex

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from alembic import command
-from alembic.config import Config
-from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, create_engine, select
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from common.database import open_database
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 FINAL = ("succeeded", "failed", "cancelled")
@@ -64,20 +64,9 @@ class JobEvent(Base):
     data: Mapped[str] = mapped_column(Text)
 
 
-def migrate(url: str) -> None:
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    config.set_main_option("sqlalchemy.url", url)
-    command.upgrade(config, "head")
-
-
 class JobStore:
     def __init__(self, url: str):
-        if url.startswith("sqlite:///"):
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        migrate(url)
-        self.engine = create_engine(url, pool_pre_ping=True)
-        self.session = sessionmaker(self.engine, expire_on_commit=False)
+        self.engine, self.session = open_database(url, MIGRATIONS)
 
     def create(self, job_id: str, endpoint: str, body: dict[str, Any]) -> Job:
         job = Job(

@@ -7,8 +7,14 @@ service fails if it is missing. Run by hand without the stack, those tests are s
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
+
+from tests.behaviour import free_port
 
 
 def require_service(env_var: str) -> str:
@@ -18,3 +24,63 @@ def require_service(env_var: str) -> str:
     if os.environ.get("DEEPMESH_REQUIRE_INFRA") == "1":
         pytest.fail(f"{env_var} is not set: start the stack with scripts/stack up")
     pytest.skip(f'{env_var} not set (run `eval "$(scripts/stack up)"` or `make test`)')
+
+
+def fresh_database(tmp_path) -> str:
+    """A new, empty database: a schema of its own in the stack's PostgreSQL (so tests never see
+    each other's rows), or an SQLite file when run by hand without the stack."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    url = os.environ.get("DEEPMESH_DATABASE_URL")
+    if not url:
+        if os.environ.get("DEEPMESH_REQUIRE_INFRA") == "1":
+            require_service("DEEPMESH_DATABASE_URL")
+        return f"sqlite:///{tmp_path}/deepmesh-{uuid.uuid4().hex[:8]}.db"
+    schema = f"test_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    engine.dispose()
+    return make_url(url).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+
+
+def scratch_store(tmp_path):
+    """A cache store of its own: memory, a disk directory and a fresh catalog."""
+    from cache_svc.catalog import Catalog
+    from cache_svc.store import StateStore
+    from cache_svc.tiers import DirectoryTier, MemoryTier
+
+    return StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(1 << 30), DirectoryTier(tmp_path / "kv", None)])
+
+
+class CacheProcess:
+    """`deepmesh cache` as a process of its own, with its log in `root`."""
+
+    def __init__(self, root, env: dict[str, str], name: str):
+        self.root, self.env, self.name = root, env, name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> CacheProcess:
+        log = open(self.root / f"{self.name}.log", "a")  # noqa: SIM115 (lives with the process)
+        command = [sys.executable, "-m", "deepmesh.cli", "cache", "--port", str(self.port)]
+        command += ["--dir", str(self.root / f"{self.name}-disk")]
+        self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.process.poll() is None and time.monotonic() < deadline, f"see {self.root}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)

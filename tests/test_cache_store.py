@@ -1,11 +1,28 @@
-"""The minimal state store: tiers, checksums, leases (with a controllable clock)."""
+"""The KV cache store: entries stored once per block, tiers, checksums, retention and leases.
+
+Real tiers (a memory dict, real directories, a real Redis server) and a real catalog (the
+stack's PostgreSQL under `make test`), with a controllable clock. Snapshots here are synthetic
+tensors: the store must return exactly what it was given, whatever the engine put in it.
+"""
 
 from __future__ import annotations
 
-import pytest
+import math
 
-from cache_svc.prefix import anchor_key
-from cache_svc.store import StateStore, checksum_of
+import pytest
+import torch
+
+from cache_svc.catalog import Catalog
+from cache_svc.prefix import anchor_key, block_key, chain
+from cache_svc.store import StateStore
+from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier
+from engine.config import BLOCK_SIZE
+from engine.state_transfer import StateSnapshot
+from tests.infra import fresh_database, require_service
+
+LAYOUT = "v1-test"
+NS = f"{LAYOUT}/tenant-a"
+ROW = 256  # floats per block row: 1 KiB per block
 
 
 class Clock:
@@ -21,123 +38,206 @@ def clock() -> Clock:
     return Clock()
 
 
-def test_put_get_delete(tmp_path, clock):
-    store = StateStore(tmp_path, clock=clock)
-    checksum, expires = store.put("job-1/prefill", b"state", lease_seconds=60)
-    assert checksum == checksum_of(b"state") and expires == 1060.0
-    assert store.get("job-1/prefill") == b"state"
-    store.delete("job-1/prefill")
-    assert store.get("job-1/prefill") is None
-    assert store.stats["hits"] == 1 and store.stats["misses"] == 1
+@pytest.fixture
+def database(tmp_path) -> str:
+    return fresh_database(tmp_path)
 
 
-def test_memory_overflow_demotes_to_disk_instead_of_dropping(tmp_path, clock):
-    store = StateStore(tmp_path, memory_bytes=10, clock=clock)
-    store.put("a", b"aaaaaa", 60)
-    store.put("b", b"bbbbbb", 60)  # 12 bytes > 10: the least recently used ("a") goes to disk
-    assert store.stats["demotions"] == 1
-    assert len(list(tmp_path.glob("*.blob"))) == 1
-    assert store.get("a") == b"aaaaaa" and store.get("b") == b"bbbbbb"
-    store.delete("a")
-    assert not list(tmp_path.glob("*.blob"))
-
-
-def test_a_corrupt_blob_is_a_miss_and_is_removed(tmp_path, clock):
-    store = StateStore(tmp_path, memory_bytes=0, clock=clock)  # everything on disk
-    store.put("k", b"good bytes", 60)
-    (blob,) = tmp_path.glob("*.blob")
-    blob.write_bytes(b"bad bytes!")
-    assert store.get("k") is None
-    assert store.stats["corrupt"] == 1 and len(store) == 0 and not blob.exists()
-
-
-def test_leases_lapse_and_renew(tmp_path, clock):
-    store = StateStore(tmp_path, clock=clock)
-    store.put("short", b"x", lease_seconds=10)
-    store.put("long", b"y", lease_seconds=100)
-    clock.now += 50
-    assert store.renew("long", 100) == 1150.0
-    assert store.get("short") is None  # lapsed
-    assert store.sweep() == 0 and len(store) == 1
-    clock.now += 200
-    assert store.sweep() == 1 and store.get("long") is None
-
-
-def test_keys_are_validated(tmp_path, clock):
-    store = StateStore(tmp_path, clock=clock)
-    with pytest.raises(ValueError):
-        store.put("", b"x", 1)
-
-
-# -- prefix anchors -----------------------------------------------------------------------------
-
-NS = "layout-v1/tenant-a"
+def make_store(tmp_path, database, clock, memory=None, disk=None, shared=None, name="a") -> StateStore:
+    tiers = [MemoryTier(memory), DirectoryTier(tmp_path / f"{name}-disk", disk)]
+    if shared is not None:
+        tiers.append(shared)
+    return StateStore(Catalog(database), tiers, clock)
 
 
 def tokens(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
-def test_the_longest_stored_prefix_shorter_than_the_prompt_is_found(tmp_path, clock):
-    store = StateStore(tmp_path, clock=clock)
+def snapshot_of(token_ids: list[int]) -> StateSnapshot:
+    """A state for these tokens whose every value depends on the tokens (so blocks of a common
+    prefix are equal, as the engine's are)."""
+    n_blocks = math.ceil(len(token_ids) / BLOCK_SIZE)
+    blocks = torch.stack(
+        [torch.full((ROW,), float(sum(token_ids[: (i + 1) * BLOCK_SIZE]) % 9973)) for i in range(n_blocks)]
+    )
+    window = torch.tensor(token_ids[-8:], dtype=torch.float32)
+    return StateSnapshot(LAYOUT, token_ids, len(token_ids), len(token_ids), 0, blocks, {"window": window})
+
+
+def put(store: StateStore, token_ids: list[int], ttl: float = 600, namespace: str = NS, **lease) -> str:
+    return store.put_prefix(namespace, snapshot_of(token_ids).to_bytes(), ttl, **lease).key
+
+
+def same(a: StateSnapshot, b: StateSnapshot) -> bool:
+    return (
+        a.token_ids[: a.num_computed] == b.token_ids[: b.num_computed]
+        and torch.equal(a.blocks, b.blocks)
+        and torch.equal(a.slot["window"], b.slot["window"])
+    )
+
+
+def test_an_entry_comes_back_exactly_and_shares_its_blocks(tmp_path, database, clock):
+    store = make_store(tmp_path, database, clock)
+    prompt = tokens(700)
+    first = store.put_prefix(NS, snapshot_of(prompt[:300]).to_bytes(), 600)
+    second = store.put_prefix(NS, snapshot_of(prompt).to_bytes(), 600)
+    assert first.key == anchor_key(prompt[:300], NS) and first.num_tokens == 300
+    loaded, reason = store.load(second.key)
+    assert reason is None and same(loaded, snapshot_of(prompt))
+    assert same(store.load(first.key)[0], snapshot_of(prompt[:300]))
+    catalog = store.catalog.summary()
+    assert catalog["anchor"]["entries"] == 2 and catalog["block"]["entries"] == 5  # 2 + 3 new, not 2 + 5
+    # the second wrote only its head and its 3 new blocks: not the 2 blocks the first stored
+    head = next(e for e in store.catalog.get([second.key]).values())
+    assert second.new_bytes == head.size + 3 * (catalog["block"]["bytes"] // 5)
+    assert store.catalog.get([second.key])[second.key].blocks == [block_key(link) for link in chain(prompt, NS)[1:]]
+
+
+def test_the_longest_live_prefix_and_the_shared_blocks_beyond_it(tmp_path, database, clock):
+    store = make_store(tmp_path, database, clock)
     prompt = tokens(400)
-    for length in (5, 128, 200, 256, 399, 400):  # inside a block, on block edges, the whole prompt
-        store.put_prefix(NS, prompt[:length], f"state-{length}".encode(), ttl_seconds=60)
-    key, length = store.longest_prefix(NS, prompt, below=len(prompt))
-    assert length == 399 and store.get(key) == b"state-399"
-    assert store.longest_prefix(NS, prompt, below=256)[1] == 200
-    assert store.longest_prefix(NS, prompt[:130], below=130)[1] == 128
-    assert store.longest_prefix(NS, prompt, below=5) is None
-    # one token different, in the first block: none of them is a prefix any more
-    assert store.longest_prefix(NS, [7, *prompt[1:]], below=400) is None
-    # different tokens after 256: the anchors up to 256 still are
-    assert store.longest_prefix(NS, prompt[:300] + tokens(100, 9000), below=400)[1] == 256
+    for length in (5, 128, 200, 256, 399):  # inside a block, on block edges, all but the last token
+        put(store, prompt[:length])
+    match = store.lookup(NS, prompt, below=len(prompt))
+    assert (match.num_tokens, match.miss_reason) == (399, None)
+    assert store.lookup(NS, prompt, below=256).num_tokens == 200
+    assert store.lookup(NS, prompt[:130], below=130).num_tokens == 128
+    assert store.lookup(NS, prompt, below=5).key is None
+    assert store.lookup(NS, [7, *prompt[1:]], below=400).miss_reason == "no_prefix"  # differs in block 1
+    assert store.lookup(NS, tokens(50, 5000), below=50).miss_reason == "shorter_than_block"
+    diverging = prompt[:300] + tokens(100, 9000)
+    match = store.lookup(NS, diverging, below=400)
+    assert match.num_tokens == 256 and match.shared_tokens == 256
+    # a prompt that shares two blocks with a stored one, but no anchor: where they diverge
+    other = make_store(tmp_path, fresh_database(tmp_path), clock, name="b")
+    put(other, tokens(300))
+    match = other.lookup(NS, [*tokens(260), 1, 2, 3], below=263)
+    assert match.key is None and match.shared_tokens == 256
 
 
-def test_prefixes_belong_to_their_namespace(tmp_path, clock):
-    store = StateStore(tmp_path, clock=clock)
+def test_tenants_and_state_formats_never_share(tmp_path, database, clock):
+    store = make_store(tmp_path, database, clock)
     prompt = tokens(300)
-    store.put_prefix(NS, prompt[:200], b"a's", ttl_seconds=60)
-    assert store.longest_prefix("layout-v1/tenant-b", prompt, below=300) is None  # another tenant
-    assert store.longest_prefix("layout-v2/tenant-a", prompt, below=300) is None  # another state format
-    assert store.longest_prefix(NS, prompt, below=300)[1] == 200
+    put(store, prompt[:200])
+    assert store.lookup(f"{LAYOUT}/tenant-b", prompt, below=300).key is None
+    assert store.lookup(f"{LAYOUT}/tenant-b", prompt, below=300).shared_tokens == 0  # not even its blocks
+    assert store.lookup("v2-other/tenant-a", prompt, below=300).key is None
+    assert store.lookup(NS, prompt, below=300).num_tokens == 200
+    with pytest.raises(Exception, match="layout"):
+        store.put_prefix("v2-other/tenant-a", snapshot_of(prompt).to_bytes(), 60)
 
 
-def test_a_prefix_leaves_the_index_with_its_state(tmp_path, clock):
-    store = StateStore(tmp_path, memory_bytes=0, clock=clock)
-    prompt = tokens(300)
-    kept = store.put_prefix(NS, prompt[:100], b"kept", ttl_seconds=1000)
-    deleted = store.put_prefix(NS, prompt[:150], b"deleted", ttl_seconds=1000)
-    expiring = store.put_prefix(NS, prompt[:200], b"expiring", ttl_seconds=10)
-    corrupt = store.put_prefix(NS, prompt[:250], b"corrupt", ttl_seconds=1000)
-    store._path(corrupt).write_bytes(b"garbage")
-    assert store.longest_prefix(NS, prompt, below=300) == (corrupt, 250)
-    assert store.get(corrupt) is None  # detected: gone from the store and the index
-    clock.now += 20  # the 200-token anchor expires
-    store.delete(deleted)
-    assert store.longest_prefix(NS, prompt, below=300) == (kept, 100)
-    assert len(store.prefixes) == 1 and expiring not in store.prefixes
+def test_a_corrupt_blob_is_a_miss_and_its_entry_is_removed(tmp_path, database, clock):
+    store = make_store(tmp_path, database, clock, memory=0)  # everything demoted to disk at once
+    key = put(store, tokens(300))
+    block = block_key(chain(tokens(300), NS)[2])
+    (tmp_path / "a-disk" / block).write_bytes(b"garbage")
+    assert store.load(key) == (None, "corrupt")
+    assert store.lookup(NS, [*tokens(300), 1], below=301).key is None
 
 
-def test_indexing_checks_the_key_and_the_state(tmp_path, clock):
-    store = StateStore(tmp_path, clock=clock)
-    with pytest.raises(KeyError):  # the right key, but no state stored under it
-        store.index_prefix(NS, tokens(10), anchor_key(tokens(10), NS))
-    key = store.put_prefix(NS, tokens(10), b"x", 60)
-    with pytest.raises(ValueError, match="not these tokens"):
-        store.index_prefix(NS, tokens(11), key)
+def test_ttl_expiry_renewal_on_hit_and_the_sweep(tmp_path, database, clock):
+    store = make_store(tmp_path, database, clock)
+    short, long = put(store, tokens(200), ttl=10), put(store, tokens(300), ttl=100)
+    store.flush()
+    clock.now += 50
+    assert store.load(short) == (None, "expired")
+    assert store.lookup(NS, tokens(250), below=250).miss_reason == "expired"
+    assert store.load(long, renew_seconds=500)[0] is not None  # a hit keeps it 500 s more
+    assert store.expires_at(long) == clock.now + 500
+    assert store.sweep() == 1  # the short one's head: its block is the long one's too, and lives on
+    clock.now += 501
+    assert store.sweep() == 3  # the long one's head and both blocks
+    assert len(store) == 0
+    assert all(not tier.lru for tier in store.tiers) and not list((tmp_path / "a-disk").iterdir())
 
 
-def test_retention_classes_and_tenant_overrides():
-    from cache_svc.retention import Retention, request_error
+def test_a_lease_pins_an_entry_until_released_or_lapsed(tmp_path, database, clock):
+    store = make_store(tmp_path, database, clock)
+    key = put(store, tokens(300), ttl=10, lease_holder="job-1", lease_seconds=60)
+    clock.now += 30  # past its TTL, inside its lease
+    assert store.sweep() == 0 and store.load(key)[0] is not None
+    clock.now += 31  # the lease lapsed too
+    assert store.sweep() == 3
+    key = put(store, tokens(300), ttl=10, lease_holder="job-2", lease_seconds=60)
+    snapshot, _ = store.load(key, release="job-2")  # decode's load ends the hand-over's pin
+    assert snapshot is not None
+    clock.now += 11
+    assert store.sweep() == 3
+    assert store.load(key, release="job-2") == (None, "lease_lost")
 
-    retention = Retention(overrides={"acme": {"agent": 60}})
-    assert retention.ttl("anyone", "agent") == 3 * 86400 and retention.ttl("anyone", "chat") == 7 * 86400
-    assert retention.ttl("acme", "agent") == 60 and retention.ttl("acme", "chat") == 7 * 86400
-    with pytest.raises(ValueError, match="unknown retention classes"):
-        Retention(overrides={"acme": {"forever": 1}})
-    with pytest.raises(ValueError, match="positive"):
-        Retention({"agent": 0, "chat": 1})
-    assert request_error("team-7.prod", "agent") is None and request_error(None, None) is None
-    assert "X-DeepMesh-Tenant" in request_error("a b", None)
-    assert "X-DeepMesh-Retention" in request_error(None, "week")
+
+def test_full_tiers_demote_in_lru_order_and_only_the_last_tier_evicts(tmp_path, database, clock):
+    shared = DirectoryTier(tmp_path / "shared", None, name="shared", shared=True)
+    store = make_store(tmp_path, database, clock, shared=shared)
+    keys = [put(store, tokens(100, 1000 * (i + 1))) for i in range(4)]  # equal heads, no full block
+    size = store.tiers[0].lru[keys[0]]
+    memory, disk = store.tiers[0], store.tiers[1]
+    memory.capacity_bytes, disk.capacity_bytes, shared.capacity_bytes = 2 * size, 3 * size, 3 * size
+    store.flush()  # write-behind: every blob in every tier
+    assert all(disk.holds(k) and shared.holds(k) for k in keys)
+    store.load(keys[0])  # now the most recently used
+    assert store.rebalance() == (2 + 1, 1)  # memory: 1 and 2 demoted; disk: 1 demoted; shared: 1 evicted
+    assert set(memory.lru) == {keys[3], keys[0]}
+    assert keys[1] not in disk.lru and keys[1] not in shared.lru  # the least recently used went first
+    assert store.load(keys[1]) == (None, "evicted")
+    snapshot, _ = store.load(keys[2])  # from disk: promoted to memory
+    assert snapshot is not None and memory.holds(keys[2])
+    # a pinned entry is never evicted: it waits for its lease
+    pinned = put(store, tokens(100, 9000), lease_holder="job", lease_seconds=60)
+    store.flush()
+    store.tiers[0].capacity_bytes = store.tiers[1].capacity_bytes = shared.capacity_bytes = 0
+    store.rebalance()
+    assert shared.holds(pinned) and len(shared.lru) == 1
+
+
+def test_persisted_tiers_survive_a_restart(tmp_path, database, clock):
+    store = make_store(tmp_path, database, clock)
+    key = put(store, tokens(500))
+    assert store.flush() == 4  # head + 3 blocks written behind to disk
+    store.close()
+    restarted = make_store(tmp_path, database, clock)  # memory is gone; disk and catalog are not
+    assert restarted.tiers[1].used_bytes > 0 and not restarted.tiers[0].lru
+    assert restarted.lookup(NS, tokens(501), below=501).key == key
+    assert same(restarted.load(key)[0], snapshot_of(tokens(500)))
+
+
+@pytest.mark.parametrize("backend", ["directory", "redis"])
+def test_another_replica_hits_through_the_shared_tier(tmp_path, database, clock, backend):
+    """Replicas with their own memory and disk, one catalog and one shared tier (a POSIX
+    directory, or a real Redis server): what one stored, the other loads."""
+
+    def shared_tier():
+        if backend == "directory":
+            return DirectoryTier(tmp_path / "shared", None, name="shared", shared=True)
+        return RedisTier(require_service("DEEPMESH_REDIS_URL"), None, prefix=f"test:{tmp_path.name}:")
+
+    a = make_store(tmp_path, database, clock, shared=shared_tier(), name="a")
+    b = make_store(tmp_path, database, clock, shared=shared_tier(), name="b")
+    key = put(a, tokens(400))
+    assert b.load(key) == (None, "evicted")  # before write-behind it is only in A's memory...
+    assert a.load(key)[0] is not None  # ...where it stays: B's miss did not remove it
+    a.flush()
+    match = b.lookup(NS, tokens(450), below=450)
+    assert match.key == key
+    snapshot, reason = b.load(key)
+    assert reason is None and same(snapshot, snapshot_of(tokens(400)))
+    assert b.tiers[0].holds(key)  # promoted into B's memory
+    if backend == "redis":
+        a.tiers[-1].client.delete(*[a.tiers[-1].prefix + k for k in a.tiers[-1].lru])
+
+
+def test_orphans_are_collected(tmp_path, database, clock):
+    store = make_store(tmp_path, database, clock)
+    key = put(store, tokens(200))
+    store.flush()
+    stray = "block-" + "0" * 64
+    store.tiers[1].write(stray, b"left by a crash")
+    assert store.collect_orphans() == 1
+    assert not (tmp_path / "a-disk" / stray).exists() and store.load(key)[0] is not None
+    # an anchor whose block was evicted cannot be loaded any more: collected too
+    broken = put(store, tokens(300, 5000))
+    store._evict(block_key(chain(tokens(300, 5000), NS)[1]))
+    assert store.collect_orphans() == 1
+    assert store.catalog.get([broken]) == {} and store.load(key)[0] is not None

@@ -61,3 +61,13 @@ def test_dependencies_exist_and_the_image_builds_every_package():
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     for package in packages:
         assert f"COPY {package.rstrip('*')} " in dockerfile
+
+
+def test_celery_maintenance_runs_every_cache_task_on_a_schedule():
+    from cache_svc.maintenance import TASKS, app
+
+    command = SERVICES["maintenance"]["command"]
+    assert command[:3] == ["celery", "-A", "cache_svc.maintenance"] and "--beat" in command
+    assert "redis" in SERVICES["maintenance"]["depends_on"]
+    scheduled = {entry["task"] for entry in app.conf.beat_schedule.values()}
+    assert scheduled == {f"deepmesh.cache.{task}" for task in TASKS} <= set(app.tasks)

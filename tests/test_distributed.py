@@ -28,7 +28,7 @@ from tests.behaviour import (
     free_port,
     one_process_answer,
 )
-from tests.infra import require_service
+from tests.infra import fresh_database, require_service
 
 
 class Cluster:
@@ -42,7 +42,7 @@ class Cluster:
         self.env = {
             **os.environ,
             "DEEPMESH_KAFKA_BOOTSTRAP": require_service("DEEPMESH_KAFKA_BOOTSTRAP"),
-            "DEEPMESH_DATABASE_URL": require_service("DEEPMESH_DATABASE_URL"),
+            "DEEPMESH_DATABASE_URL": fresh_database(root),  # jobs and the cache catalog, apart from other tests
             "DEEPMESH_TOPIC_PREFIX": self.prefix,
             "DEEPMESH_TOPIC_PARTITIONS": "2",
             "DEEPMESH_CACHE_URL": f"http://127.0.0.1:{self.cache_port}",
@@ -72,7 +72,7 @@ class Cluster:
     def start(self, services: tuple[str, ...] = ("cache", "gateway", "tokenizer", "prefill", "decode")) -> Cluster:
         for name in services:
             if name == "cache":
-                self.spawn("cache", "--port", str(self.cache_port), "--dir", str(self.root / "state"))
+                self.spawn("cache", "--port", str(self.cache_port), "--dir", str(self.root / "kv"))
             elif name == "gateway":
                 self.spawn("gateway", "--port", str(self.gateway_port))
             else:
@@ -103,8 +103,14 @@ class Cluster:
         scraped = httpx.get(self.decode_metrics).text
         return int(float(re.search(r'^deepmesh_running_jobs\{service="decode"\} (\S+)$', scraped, re.M).group(1)))
 
-    def has_state(self, key: str) -> bool:
-        return httpx.get(f"{self.cache_url}/v1/state/{key}").status_code == 200
+    def pinned_by(self, holder: str) -> list[str]:
+        from cache_svc.catalog import Catalog
+
+        catalog = Catalog(self.env["DEEPMESH_DATABASE_URL"])
+        try:
+            return catalog.pinned_by(holder)
+        finally:
+            catalog.close()
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +132,7 @@ def cluster(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(cluster, model):
     return SimpleNamespace(
-        url=cluster.url, model=model, decode_running=cluster.decode_running, has_state=cluster.has_state
+        url=cluster.url, model=model, decode_running=cluster.decode_running, pinned_by=cluster.pinned_by
     )
 
 
@@ -163,8 +169,9 @@ def test_one_job_is_one_trace_across_the_processes(cluster):
     ).json()
     job_id = reply["id"].removeprefix("chatcmpl-")
     wanted = {"gateway", "tokenizer", "prefill", "cache", "decode"}
-    stages = {"answer chat.completions", "send requests", "tokenizer.prompt", "send prefill", "prefill", "cache.put"}
-    stages |= {"PUT /v1/state/{key}", "send decode", "decode", "cache.get", "tokenizer.output", "cache.delete"}
+    stages = {"answer chat.completions", "send requests", "tokenizer.prompt", "send prefill", "prefill"}
+    stages |= {"cache.lookup", "POST /v1/prefix/lookup", "cache.put_prefix", "POST /v1/prefix", "send decode"}
+    stages |= {"decode", "cache.load", "GET /v1/prefix/{key}", "tokenizer.output"}
     deadline = time.monotonic() + 30
     while True:  # spans are written as they end, some after the answer has left: wait for the last ones
         spans = job_trace(read_spans(cluster.traces), job_id)

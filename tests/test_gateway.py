@@ -16,7 +16,7 @@ from deepmesh.mesh import Mesh
 from gateway.app import create_app
 from gateway.jobs import JobStore
 from tests.behaviour import MODEL, GatewayBehaviour, ModelOutputBehaviour, ScriptedModel, ServerThread
-from tests.infra import require_service
+from tests.infra import require_service, scratch_store
 from tokenizer_svc.protocol import Codec
 from tokenizer_svc.worker import TokenizerWorker
 
@@ -42,13 +42,13 @@ def jobs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(model, jobs, tmp_path_factory):
     bus = MemoryBus()
-    mesh = Mesh(model, bus, tmp_path_factory.mktemp("state"), served_model=MODEL).start()
+    mesh = Mesh(model, bus, scratch_store(tmp_path_factory.mktemp("state")), served_model=MODEL).start()
     with ServerThread(create_app(bus, "deepmesh.", [MODEL], jobs)) as server:
         yield SimpleNamespace(
             url=server.url,
             model=model,
             decode_running=lambda: len(mesh.decode.jobs),
-            has_state=lambda key: mesh.store.get(key) is not None,
+            pinned_by=mesh.store.catalog.pinned_by,
             mesh=mesh,
         )
     mesh.stop()
@@ -89,13 +89,26 @@ def test_each_request_keeps_its_prefixes_as_long_as_its_retention_class_says(ser
         ("messages", {}, 3 * 86400),
         ("chat.completions", {}, 7 * 86400),
         ("messages", {"X-DeepMesh-Retention": "chat"}, 7 * 86400),
+        ("chat.completions", {"body": "agent"}, 3 * 86400),  # the body field instead of the header
     ]
     for i, (endpoint, headers, ttl) in enumerate(cases):
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"retention {i}"}], "max_tokens": 3}
+        if "body" in headers:
+            body["deepmesh"] = {"retention": headers.pop("body")}
         path = {"messages": "/v1/messages", "chat.completions": "/v1/chat/completions"}[endpoint]
         started = time.time()
         assert httpx.post(service.url + path, json=body, headers=headers, timeout=60).status_code == 200
+        body.pop("deepmesh", None)
         prompt = codec.prompt(endpoint, body).token_ids
         key = anchor_key(prompt, namespace_of(service.mesh.prefill.engine.layout))
         expires = service.mesh.store.expires_at(key)
         assert expires is not None and started + ttl <= expires <= time.time() + ttl
+    assert service.mesh.decode.loaded > 0  # decode continues from prefill's stored state
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for extension, headers in (
+        ({"retention": "forever"}, {}),
+        ({"ttl": 5}, {}),
+        ({"retention": "agent"}, {"X-DeepMesh-Retention": "chat"}),
+    ):
+        answer = httpx.post(service.url + "/v1/chat/completions", json={**chat, "deepmesh": extension}, headers=headers)
+        assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error", extension

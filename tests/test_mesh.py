@@ -18,7 +18,7 @@ from common.messages import DeadLetter, Envelope, RequestPayload, ResultPayload,
 from common.topics import Topic, topic_name
 from deepmesh.mesh import Mesh
 from engine import LLMEngine, SamplingParams
-from tests.infra import require_service
+from tests.infra import require_service, scratch_store
 from tokenizer_svc.protocol import Codec
 
 MODEL = "deepmesh-tiny"
@@ -38,7 +38,9 @@ def mesh(request, tiny_preset, tmp_path_factory):
     else:
         bus = KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
     prefix = f"test{uuid.uuid4().hex[:8]}."
-    running = Mesh(tiny_preset, bus, tmp_path_factory.mktemp("state"), topic_prefix=prefix, partitions=2).start()
+    running = Mesh(
+        tiny_preset, bus, scratch_store(tmp_path_factory.mktemp("state")), topic_prefix=prefix, partitions=2
+    ).start()
     running.prefix = prefix
     yield running
     running.stop()
@@ -164,7 +166,7 @@ def test_a_decode_worker_dying_mid_job_loses_and_repeats_nothing(tiny_preset, tm
 
     bus = MemoryBus()
     prefix = f"crash{uuid.uuid4().hex[:8]}."
-    mesh = Mesh(tiny_preset, bus, tmp_path / "state", topic_prefix=prefix, partitions=2)
+    mesh = Mesh(tiny_preset, bus, scratch_store(tmp_path), topic_prefix=prefix, partitions=2)
     mesh.prefix = prefix
     mesh.start([mesh.tokenizer, mesh.prefill])
     replacement = None
@@ -178,7 +180,9 @@ def test_a_decode_worker_dying_mid_job_loses_and_repeats_nothing(tiny_preset, tm
             assert time.monotonic() < deadline, "decode never got the job"
         doomed._consumer.close()  # dies here: its job is neither finished nor committed
 
-        replacement = DecodeWorker(bus, prefix, LLMEngine(doomed.engine.model), mesh.store)
+        replacement = DecodeWorker(
+            bus, prefix, LLMEngine(doomed.engine.model, weights=doomed.engine.weights), mesh.store
+        )
         mesh.start([replacement])
         results = collect(mesh, {job_id})[job_id]
     finally:

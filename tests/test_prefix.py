@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine import LLMEngine, SamplingParams, SnapshotError, StateSnapshot
+from engine import InvalidRequestError, LLMEngine, SamplingParams, SnapshotError, StateSnapshot
 from tests.conftest import PARITY_CONFIGS, random_prompts
 from tests.test_state_transfer import decode_to_end, prefill_and_export
 
@@ -76,3 +76,24 @@ def test_the_final_state_of_a_turn_is_where_the_next_turn_resumes(checkpoints):
         cold = engine.generate([next_turn], GREEDY)[0].token_ids
         assert engine.import_prefix("turn-2", StateSnapshot.from_bytes(state.to_bytes()), next_turn, GREEDY)
         assert decode_to_end(engine)["turn-2"] == cold
+
+
+def test_snapshots_inside_the_prompt_are_prefixes_of_it(checkpoints):
+    """snapshot_at hands back the state after given prompt positions (chunks end there), and each
+    such state, loaded, gives the cold tokens: what block-boundary anchors rely on."""
+    engine = LLMEngine.from_pretrained(checkpoints["tiny-preset"], max_num_batched_tokens=300)
+    (prompt,) = random_prompts([700], seed=21)
+    cold = engine.generate([prompt], GREEDY)[0].token_ids
+    engine.add_request("long", prompt, GREEDY, snapshot_at=[512, 128, 256])
+    outputs = [o for _ in range(200) if engine.has_unfinished_requests() for o in engine.step()]
+    states = [o.prefix_state for o in outputs if o.prefix_state is not None]
+    assert [s.num_computed for s in states] == [128, 256, 512]
+    assert [o.new_token_ids for o in outputs if o.prefix_state is not None] == [[], [], []]
+    assert [t for o in outputs for t in o.new_token_ids] == cold  # the same answer, chunked differently
+    for state in states:
+        assert state.token_ids == prompt[: state.num_computed] and state.prompt_len == state.num_computed
+        restored = StateSnapshot.from_bytes(state.to_bytes())
+        assert engine.import_prefix(f"from-{state.num_computed}", restored, prompt, GREEDY)
+        assert decode_to_end(engine)[f"from-{state.num_computed}"] == cold
+    with pytest.raises(InvalidRequestError, match="snapshot positions"):
+        engine.add_request("bad", prompt, GREEDY, snapshot_at=[700])

@@ -1,0 +1,142 @@
+"""Prefill replicas with cache services of their own that share a catalog (PostgreSQL) and a
+shared tier (a directory, as a 3FS or NFS mount would be): replica B hits what replica A
+stored, and a restarted cache service still has what it had written to disk."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from cache_svc.client import StateClient
+from cache_svc.store import StateStore
+from common.bus import MemoryBus
+from common.messages import DecodePayload, Envelope, PrefillPayload, Sampling, decode, payload_of
+from common.topics import Topic, all_topic_names, topic_name
+from engine import LLMEngine, SamplingParams
+from prefill_svc.worker import PrefillWorker
+from tests.conftest import random_prompts
+from tests.infra import CacheProcess, fresh_database
+
+
+@pytest.fixture
+def caches(tmp_path):
+    env = {
+        **os.environ,
+        "DEEPMESH_DATABASE_URL": fresh_database(tmp_path),
+        "DEEPMESH_CACHE_SHARED_DIR": str(tmp_path / "shared"),
+    }
+    a, b = CacheProcess(tmp_path, env, "a").start(), CacheProcess(tmp_path, env, "b").start()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def prefill_once(
+    engine: LLMEngine, cache: str | StateStore, prompt: list[int], tokens_per_second: float = 0.0
+) -> DecodePayload:
+    """One job through a real PrefillWorker over an in-process bus, with a cache service (its
+    URL) or a store of its own; returns its hand-over."""
+    bus, prefix = MemoryBus(), f"r{uuid.uuid4().hex[:6]}."
+    bus.create_topics(all_topic_names(prefix), 1)
+    worker = PrefillWorker(bus, prefix, engine, StateClient(cache) if isinstance(cache, str) else cache)
+    worker.tokens_per_second = tokens_per_second  # as if measured: what a load is weighed against
+    handoffs = bus.consumer([topic_name(Topic.DECODE, prefix)], "test")
+    payload = PrefillPayload(
+        endpoint="chat.completions",
+        body={},
+        prompt_token_ids=prompt,
+        sampling=Sampling(max_tokens=8, temperature=0, top_p=1),
+    )
+    job = uuid.uuid4().hex
+    bus.produce(
+        topic_name(Topic.PREFILL, prefix),
+        job,
+        Envelope(type="prefill", job_id=job, payload=payload.model_dump()).encode(),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for record in handoffs.poll(timeout=0.2):
+                return payload_of(decode(record.value, "decode"), DecodePayload)
+        raise AssertionError("no hand-over from prefill")
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def test_replica_b_hits_what_replica_a_stored_and_a_restart_keeps_it(caches, tiny_checkpoint):
+    a, b = caches
+    engine_a = LLMEngine.from_pretrained(tiny_checkpoint)
+    engine_b = LLMEngine.from_pretrained(tiny_checkpoint)  # another replica: same weights, same layout
+    first, more = random_prompts([300, 40], seed=3)
+    follow_up = [*first, *more]
+    cold = engine_a.generate([follow_up], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+
+    assert prefill_once(engine_a, a.url, first).cached_tokens == 0
+    assert StateClient(b.url).lookup(*lookup_args(engine_b, follow_up)).key is not None  # one catalog...
+    httpx.post(f"{a.url}/v1/maintenance/flush").raise_for_status()  # ...and A's write-behind to the shared tier
+    handoff = prefill_once(engine_b, b.url, follow_up)
+    assert handoff.cached_tokens == len(first) and handoff.first_token == cold
+
+    a.stop()
+    a.start()  # memory is gone; the catalog, A's disk and the shared tier are not
+    stats = httpx.get(f"{a.url}/v1/stats").json()
+    assert {t["name"]: t["entries"] for t in stats["tiers"]}["memory"] == 0
+    assert {t["name"]: t["entries"] for t in stats["tiers"]}["disk"] > 0
+    again = prefill_once(LLMEngine.from_pretrained(tiny_checkpoint), a.url, [*first, 9, 9, 9])
+    assert again.cached_tokens == len(first)  # the first prompt's state, from A's disk
+
+
+def lookup_args(engine: LLMEngine, prompt: list[int]) -> tuple[str, list[int], int]:
+    from cache_svc.prefix import namespace_of
+
+    return namespace_of(engine.layout), prompt, len(prompt)
+
+
+def test_a_corrupted_entry_is_detected_and_the_prompt_recomputed(tmp_path, tiny_checkpoint):
+    from prometheus_client import REGISTRY
+
+    from cache_svc.catalog import Catalog
+    from cache_svc.tiers import DirectoryTier, MemoryTier
+
+    store = StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(0), DirectoryTier(tmp_path / "disk", None)])
+    engine = LLMEngine.from_pretrained(tiny_checkpoint)
+    first, more = random_prompts([300, 40], seed=4)
+    follow_up = [*first, *more]
+    cold = engine.generate([follow_up], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    prefill_once(engine, store, first)
+    blob = max((tmp_path / "disk").iterdir(), key=lambda p: p.stat().st_size)  # the head: the window snapshot
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit of state
+    blob.write_bytes(bytes(data))
+    corrupt_before = REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "corrupt"}) or 0
+    handoff = prefill_once(engine, store, follow_up)
+    assert handoff.cached_tokens == 0 and handoff.first_token == cold  # computed again, never from bad state
+    assert REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "corrupt"}) == corrupt_before + 1
+    assert not blob.exists()
+
+
+def test_a_prefix_slower_to_load_than_to_compute_is_computed(tmp_path, tiny_checkpoint):
+    from prometheus_client import REGISTRY
+
+    from cache_svc.catalog import Catalog
+    from cache_svc.tiers import DirectoryTier, MemoryTier
+
+    store = StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(None), DirectoryTier(tmp_path / "disk", None)])
+    engine = LLMEngine.from_pretrained(tiny_checkpoint)
+    first, more = random_prompts([300, 40], seed=5)
+    prefill_once(engine, store, first)
+    too_slow = REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "too_slow"}) or 0
+    # a worker that computes a trillion tokens a second: no load can beat that
+    assert prefill_once(engine, store, [*first, *more], tokens_per_second=1e12).cached_tokens == 0
+    assert REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "too_slow"}) == too_slow + 1
+    # one token a second: loading wins
+    assert prefill_once(engine, store, [*first, *more, 1], tokens_per_second=1.0).cached_tokens > 0

@@ -1,0 +1,99 @@
+"""The cache service as its own process: its HTTP API through StateClient, `deepmesh cache
+stats`, and its maintenance run by a real Celery worker and beat over the stack's Redis."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from cache_svc.client import StateClient
+from tests.infra import CacheProcess, fresh_database, require_service
+from tests.test_cache_store import NS, snapshot_of, tokens
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    env = {
+        **os.environ,
+        "DEEPMESH_DATABASE_URL": fresh_database(root),
+        "DEEPMESH_REDIS_URL": require_service("DEEPMESH_REDIS_URL"),
+        "DEEPMESH_TOPIC_PREFIX": f"test{uuid.uuid4().hex[:8]}.",
+        "DEEPMESH_CACHE_MAINTENANCE_SECONDS": "0.5",
+    }
+    service = CacheProcess(root, env, "cache")
+    env["DEEPMESH_CACHE_URL"] = service.url  # where the Celery worker sends the tasks
+    yield env, service.start().url, root
+    service.stop()
+
+
+def test_the_http_api_stores_finds_loads_and_pins(cache):
+    _, url, _ = cache
+    client = StateClient(url)
+    stored = client.put_prefix(NS, snapshot_of(tokens(300)).to_bytes(), 600, lease_holder="job-9", lease_seconds=60)
+    assert stored is not None and stored.num_tokens == 300
+    match = client.lookup(NS, tokens(310), below=310)
+    assert (match.key, match.num_tokens, match.shared_tokens) == (stored.key, 300, 256)
+    snapshot, reason = client.load(stored.key, release="job-9")
+    assert reason is None and snapshot.token_ids == tokens(300)
+    assert client.load("anchor-" + "0" * 64) == (None, "evicted")
+    assert client.lookup(NS, tokens(50, 7000), below=50).miss_reason == "shorter_than_block"
+    bad = httpx.post(f"{url}/v1/prefix", content=b"not a snapshot", headers={"X-Namespace": NS, "X-TTL-Seconds": "60"})
+    assert bad.status_code == 400 and "unreadable" in bad.json()["error"]["message"]
+    missing = httpx.post(f"{url}/v1/prefix", content=b"x")  # no namespace or TTL
+    assert missing.status_code == 422
+    assert httpx.post(f"{url}/v1/maintenance/nope").status_code == 404
+
+
+def test_celery_beat_runs_the_write_behind_and_cache_stats_shows_it(cache):
+    env, url, root = cache
+    client = StateClient(url)
+    client.put_prefix(NS, snapshot_of(tokens(600, 50_000)).to_bytes(), 600)
+    tiers = {t["name"]: t for t in client.stats()["tiers"]}
+    assert tiers["disk"]["entries"] < tiers["memory"]["entries"]  # nothing runs maintenance yet
+    log = open(root / "celery.log", "w")  # noqa: SIM115 (lives with the process)
+    celery = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "cache_svc.maintenance",
+            "worker",
+            "--beat",
+            "--pool",
+            "solo",
+            "--loglevel",
+            "INFO",
+            "--schedule",
+            str(root / "beat-schedule"),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while client.stats()["pending_write_behind"] or client.stats()["tiers"][1]["entries"] < 6:
+            assert celery.poll() is None and time.monotonic() < deadline, f"no write-behind: see {root}/celery.log"
+            time.sleep(0.5)
+    finally:
+        celery.terminate()
+        celery.wait(timeout=30)
+    assert "deepmesh.cache.flush" in (root / "celery.log").read_text()
+    shown = subprocess.run(
+        [sys.executable, "-m", "deepmesh.cli", "cache", "stats", "--url", url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "disk" in shown and "memory" in shown and "anchors" in shown and "blocks" in shown
+    assert "deepmesh_cache_misses_total{reason=shorter_than_block}" in shown
