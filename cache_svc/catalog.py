@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import JSON, Float, Integer, String, delete, func, select
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from common.database import open_database
 
@@ -61,18 +62,24 @@ class Catalog:
         """Record an anchor and its blocks; returns the keys of those that were not known yet
         (the only ones whose bytes need storing). A known entry keeps its bytes and lives as long
         as its longest-lived anchor; a lease is added to the ones it already has."""
-        entries = [anchor, *blocks]
-        with self.session.begin() as s:
-            known = {e.key: e for e in s.scalars(select(Entry).where(Entry.key.in_([e.key for e in entries])))}
-            for entry in entries:
-                old = known.get(entry.key)
-                if old is None:
-                    s.add(entry)
-                    continue
-                old.expires_at = max(old.expires_at, entry.expires_at)
-                if entry.leases:
-                    old.leases = {**old.leases, **entry.leases}
-        return {e.key for e in entries} - set(known)
+        entries = sorted([anchor, *blocks], key=lambda e: e.key)
+        for attempt in range(3):
+            try:
+                with self.session.begin() as s:
+                    known = {e.key: e for e in _lock(s, [e.key for e in entries])}
+                    for entry in entries:
+                        old = known.get(entry.key)
+                        if old is None:
+                            s.add(_copy(entry))
+                            continue
+                        old.expires_at = max(old.expires_at, entry.expires_at)
+                        if entry.leases:
+                            old.leases = {**old.leases, **entry.leases}
+                return {e.key for e in entries} - set(known)
+            except IntegrityError:  # another replica recorded one of them meanwhile: update it instead
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def get(self, keys: Iterable[str]) -> dict[str, Entry]:
         with self.session() as s:
@@ -94,37 +101,37 @@ class Catalog:
     def hit(self, key: str, now: float, expires_at: float) -> None:
         """Count a hit and extend the anchor and its blocks to at least `expires_at`."""
         with self.session.begin() as s:
-            anchor = s.get(Entry, key)
-            if anchor is None:
-                return
-            anchor.hits += 1
-            anchor.last_hit_at = now
-            for entry in s.scalars(select(Entry).where(Entry.key.in_([key, *anchor.blocks]))):
+            for entry in self._locked_with_blocks(s, key):
+                if entry.key == key:
+                    entry.hits += 1
+                    entry.last_hit_at = now
                 entry.expires_at = max(entry.expires_at, expires_at)
 
     def renew(self, key: str, expires_at: float) -> float | None:
         with self.session.begin() as s:
-            anchor = s.get(Entry, key)
-            if anchor is None:
-                return None
-            for entry in s.scalars(select(Entry).where(Entry.key.in_([key, *anchor.blocks]))):
+            entries = self._locked_with_blocks(s, key)
+            for entry in entries:
                 entry.expires_at = max(entry.expires_at, expires_at)
-            return anchor.expires_at
+            return next((e.expires_at for e in entries if e.key == key), None)
 
     def lease(self, key: str, holder: str, until: float | None) -> bool:
         """Pin an anchor and its blocks for `holder` until then, or release its pin (until None)."""
         with self.session.begin() as s:
-            anchor = s.get(Entry, key, with_for_update=True)
-            if anchor is None:
-                return False
-            for entry in s.scalars(select(Entry).where(Entry.key.in_([key, *anchor.blocks])).with_for_update()):
+            entries = self._locked_with_blocks(s, key)
+            for entry in entries:
                 leases = dict(entry.leases)
                 if until is None:
                     leases.pop(holder, None)
                 else:
                     leases[holder] = until
                 entry.leases = leases
-            return True
+            return bool(entries)
+
+    def _locked_with_blocks(self, s: Session, key: str) -> list[Entry]:
+        """An anchor and its blocks, locked (PostgreSQL: FOR UPDATE) in key order, as every
+        writer locks them, so that concurrent writers wait for each other and never deadlock."""
+        anchor = s.get(Entry, key)
+        return [] if anchor is None else _lock(s, [key, *anchor.blocks])
 
     def set_tiers(self, key: str, tiers: list[str]) -> None:
         with self.session.begin() as s:
@@ -170,3 +177,13 @@ class Catalog:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _lock(s: Session, keys: list[str]) -> list[Entry]:
+    query = select(Entry).where(Entry.key.in_(sorted(keys))).order_by(Entry.key).with_for_update()
+    return list(s.scalars(query))
+
+
+def _copy(entry: Entry) -> Entry:
+    """A fresh instance to add (a retried transaction must not reuse one its failed session held)."""
+    return Entry(**{column.key: getattr(entry, column.key) for column in Entry.__table__.columns})

@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import load, save
 
 from cache_svc.catalog import Catalog, Entry
 from cache_svc.prefix import anchor_key, block_key, chain
@@ -150,7 +149,7 @@ class StateStore:
         now = self.clock()
         tenant = namespace.split("/", 1)[1]
         blobs = {anchor_key(tokens, namespace, links): head_blob}
-        blobs |= {block_key(links[i + 1]): save({"row": snapshot.blocks[i].contiguous()}) for i in range(full)}
+        blobs |= {block_key(links[i + 1]): _row_bytes(snapshot.blocks[i]) for i in range(full)}
         keys = list(blobs)
         entries = [
             Entry(
@@ -254,13 +253,11 @@ class StateStore:
             blobs.append(data)
         try:
             head = StateSnapshot.from_bytes(blobs[0])
-            rows = [load(blob)["row"] for blob in blobs[1:]]
-        except Exception as err:  # checksummed yet unreadable: written by something else
+            head.blocks = _with_rows(head.blocks, blobs[1:])
+        except (SnapshotError, ValueError) as err:  # checksummed yet unreadable: written by something else
             log.warning("cache entry %s unreadable: %s", key, err)
             self._remove(anchor.key)
             return None, "corrupt"
-        if rows:
-            head.blocks = torch.cat([torch.stack(rows), head.blocks])
         self.catalog.hit(key, now, now + renew_seconds)
         return head, None
 
@@ -477,6 +474,26 @@ class StateStore:
                 tier.remove(key)
             self._dirty.pop(key, None)
             self.catalog.remove([key])
+
+
+def _row_bytes(row: torch.Tensor) -> bytes:
+    """A block row's raw bytes: its dtype and width are the head's."""
+    return row.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _with_rows(tail: torch.Tensor, rows: list[bytes]) -> torch.Tensor:
+    """The full blocks (raw rows) followed by the head's partial block, as one [n, width] tensor.
+
+    Assembled as bytes, with no tensor operator: loads run on a fetch thread, and an operator
+    there would start a second OpenMP pool next to the engine's (see common.worker.run_workers).
+    """
+    if not rows:
+        return tail
+    row_size = tail.shape[1] * tail.element_size()
+    if any(len(row) != row_size for row in rows):
+        raise ValueError(f"a block of the wrong size (expected {row_size} bytes)")
+    data = bytearray(b"".join(rows) + _row_bytes(tail.reshape(-1)))
+    return torch.frombuffer(data, dtype=tail.dtype).view(len(rows) + tail.shape[0], tail.shape[1])
 
 
 def _full_blocks(snapshot: StateSnapshot) -> int:

@@ -52,6 +52,9 @@ class Consumer(Protocol):
 
 class Bus(Protocol):
     busy_poll_timeout: float  # how long a worker with jobs in flight waits for records between steps
+    # How long an idle worker waits for records. Workers that share a thread wait in turn, so
+    # this bounds how late one of them sees a record that arrives while another waits.
+    idle_poll_timeout: float
 
     def create_topics(self, names: Iterable[str], partitions: int) -> None: ...
 
@@ -78,6 +81,7 @@ class MemoryBus:
     """Kafka's delivery model inside one process, for the embedded mode and fast tests."""
 
     busy_poll_timeout = 0.0  # a poll sees every record already produced
+    idle_poll_timeout = 0.01  # a wait on a condition: waking up often costs nothing
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -201,6 +205,7 @@ class KafkaBus:
     # never zero: a zero-timeout poll lets kafka-python skip its network round, and new jobs
     # then starve behind running ones
     busy_poll_timeout = 0.002
+    idle_poll_timeout = 0.1  # long enough for group joins and heartbeats to complete within a poll
 
     def __init__(self, bootstrap: str, client_id: str = "deepmesh"):
         from kafka import KafkaProducer

@@ -138,10 +138,12 @@ def run_workers(workers: list[Worker], stop: threading.Event) -> None:
     """
     try:
         while not stop.is_set():
-            # while any of them has work in flight, the others only glance at the bus
-            busy = any(w.busy for w in workers)
-            timeout = workers[0].bus.busy_poll_timeout if busy else 0.1 / len(workers)
             for worker in workers:
+                # while any of them has work in flight (asked anew: the one before may have just
+                # taken a job), the others only glance at the bus
+                busy = any(w.busy for w in workers)
+                bus = workers[0].bus
+                timeout = bus.busy_poll_timeout if busy else bus.idle_poll_timeout / len(workers)
                 try:
                     worker.run_once(timeout)
                 except Exception:  # at-least-once delivery replays whatever the failed step was doing

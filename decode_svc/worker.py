@@ -125,11 +125,15 @@ class DecodeWorker(Worker):
         kv = payload.kv
         if kv is None:
             return None
-        if kv.layout != self.engine.layout:
-            log.warning("state %s has layout %s, not this engine's %s", kv.key, kv.layout, self.engine.layout)
-            self.store.release(kv.key, job_id)
+        try:
+            if kv.layout != self.engine.layout:
+                log.warning("state %s has layout %s, not this engine's %s", kv.key, kv.layout, self.engine.layout)
+                self.store.release(kv.key, job_id)
+                return None
+            snapshot, _ = self.store.load(kv.key, release=job_id)  # loaded (or gone): the pin is done
+        except Exception:  # a cache that fails means recomputing, never a lost job
+            log.exception("loading %s failed", kv.key)
             return None
-        snapshot, _ = self.store.load(kv.key, release=job_id)  # loaded (or gone): the pin is done
         if snapshot is None:
             return None
         prompt = payload.prompt_token_ids
@@ -178,7 +182,10 @@ class DecodeWorker(Worker):
                 with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
                     namespace = namespace_of(self.engine.layout, job.payload.tenant)
                     ttl = self.retention.ttl(job.payload.tenant, job.payload.retention)
-                    self.store.put_prefix(namespace, data, ttl)
+                    try:
+                        self.store.put_prefix(namespace, data, ttl)
+                    except Exception:  # a cache that fails is a later miss, never a lost job
+                        log.exception("storing the final state of %s failed", job_id)
                 metrics.STATE_BYTES.labels("put").inc(len(data))
         self.watermarks.release(job_id)
 

@@ -149,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         maintenance_seconds=settings.cache_maintenance_seconds,
     )
     mesh.start([mesh.tokenizer])
-    app = create_app(bus, "deepmesh.", [args.served_model_name], JobStore(settings.database_url))
+    app = create_app(bus, "deepmesh.", [args.served_model_name], JobStore(settings.database_url), cache=mesh.store)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()
@@ -218,14 +218,19 @@ def _service(args: argparse.Namespace) -> int:
 
 
 def _cache_stats(url: str) -> int:
-    """Tiers and entries from /v1/stats, then the cache's Prometheus series (hits, misses by
-    reason, load latency, evictions, demotions)."""
+    """Tiers and entries from the cache service's /v1/stats (or an embedded gateway's
+    /v1/cache/stats), then the cache's Prometheus series (hits, misses by reason, load latency,
+    evictions, demotions)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    url = url.rstrip("/")
     try:
-        stats = httpx.get(f"{url.rstrip('/')}/v1/stats", timeout=10).raise_for_status().json()
-        exposition = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10).raise_for_status().text
+        response = httpx.get(f"{url}/v1/stats", timeout=10)
+        if response.status_code == 404:  # `deepmesh serve`: the gateway serves the embedded cache's
+            response = httpx.get(f"{url}/v1/cache/stats", timeout=10)
+        stats = response.raise_for_status().json()
+        exposition = httpx.get(f"{url}/metrics", timeout=10).raise_for_status().text
     except httpx.HTTPError as err:
         raise ValueError(f"cannot read the cache service at {url}: {err}") from err
     for kind, part in sorted(stats["catalog"].items()):

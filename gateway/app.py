@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cache_svc.retention import request_error
+from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus
 from common.messages import Envelope, RequestPayload, ResultPayload, decode
@@ -216,7 +217,10 @@ def create_app(
     served_models: list[str],
     jobs: JobStore,
     result_timeout: float = 600.0,
+    cache: StateStore | None = None,
 ) -> FastAPI:
+    """The API over the bus. `cache`: the embedded mode's KV cache, whose stats the gateway then
+    serves at GET /v1/cache/stats (distributed, the cache service serves them itself)."""
     results_topic = topic_name(Topic.RESULTS, topic_prefix)
     router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
     recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs)
@@ -412,6 +416,12 @@ def create_app(
                 await asyncio.sleep(0.1)
 
         return StreamingResponse(replay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    if cache is not None:
+
+        @app.get("/v1/cache/stats")
+        async def cache_stats() -> dict:
+            return await asyncio.to_thread(cache.stats)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -1,16 +1,19 @@
 """The prefill service: computes each prompt's state, samples the first token, hands the state over.
 
 A prompt starts from the longest stored prefix of it (unless loading that would take longer
-than computing it), and its state is stored at the anchors a later prompt may start from: the
-end of the prompt (which is also the hand-over to decode, pinned by a lease), every
-`anchor_interval` tokens inside it, and the block boundary where it leaves the blocks other
-prompts stored (where conversations with a shared start, such as a system prompt, diverge).
+than computing it). Looking it up and loading it happen on fetch threads, so the engine keeps
+stepping the other jobs meanwhile; a job joins the engine once its prefix has arrived. Its
+state is stored at the anchors a later prompt may start from: the end of the prompt (which
+is also the hand-over to decode, pinned by a lease), every `anchor_interval` tokens inside
+it, and the block boundary where it leaves the blocks other prompts stored (where
+conversations with a shared start, such as a system prompt, diverge).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from cache_svc.prefix import namespace_of
@@ -33,17 +36,28 @@ from common.messages import (
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, job_span, start_span, within
 from common.worker import Worker
-from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError
+from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
+
+
+@dataclass
+class _Fetched:
+    """What a fetch thread found for a job: the stored prefix to start from (None: compute it
+    all) and the positions inside the prompt where its state is to be stored."""
+
+    snapshot: StateSnapshot | None
+    anchors: list[int]
 
 
 @dataclass
 class _Job:
     payload: PrefillPayload
+    params: SamplingParams
     record: Record
     span: Span  # from the job's arrival to its hand-over
-    cached_tokens: int  # prompt tokens loaded from a stored prefix instead of computed
     namespace: str  # where its prefixes are stored: the engine's layout and the tenant
     ttl: float  # how long they live: the retention class's
+    fetch: Future[_Fetched] | None = None  # until its prefix has been looked up and loaded
+    cached_tokens: int = 0  # prompt tokens loaded from a stored prefix instead of computed
 
 
 log = logging.getLogger(__name__)
@@ -62,6 +76,7 @@ class PrefillWorker(Worker):
         lease_seconds: float = 600,
         retention: Retention | None = None,
         anchor_interval: int = 1024,
+        fetch_threads: int = 2,
     ):
         super().__init__(bus, topic_prefix)
         self.engine = engine
@@ -71,6 +86,7 @@ class PrefillWorker(Worker):
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
         self.jobs: dict[str, _Job] = {}
         self.tokens_per_second = 0.0  # measured prefill speed, against which a load is weighed
+        self.fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="prefill-fetch")
 
     @property
     def busy(self) -> bool:
@@ -99,52 +115,69 @@ class PrefillWorker(Worker):
             prompt_tokens = len(payload.prompt_token_ids)
             parent = context_of(record.headers)
             span = start_span("prefill", job_id, parent, SpanKind.CONSUMER, **{"deepmesh.prompt_tokens": prompt_tokens})
-            try:
-                with within(span, job_id):
-                    cached = self._start(job_id, payload, params)
-            except EngineError as err:
-                with within(span, job_id, end=True):
-                    self._fail(job_id, str(err), span)
-                self.watermarks.seen(record)
-                continue
-            span.set_attribute("deepmesh.cached_tokens", cached)
-            metrics.PROMPT_TOKENS.labels(self.group).inc(prompt_tokens)
-            metrics.PREFIX_TOKENS.labels("hit").inc(cached)
-            metrics.PREFIX_TOKENS.labels("miss").inc(prompt_tokens - cached)
             namespace = namespace_of(self.engine.layout, payload.tenant)
             ttl = self.retention.ttl(payload.tenant, payload.retention)
-            self.jobs[job_id] = _Job(payload, record, span, cached, namespace, ttl)
+            job = _Job(payload, params, record, span, namespace, ttl)
+            job.fetch = self.fetcher.submit(self._fetch, job_id, job)
+            self.jobs[job_id] = job
             self.watermarks.hold(record, job_id)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
-    def _start(self, job_id: str, payload: PrefillPayload, params: SamplingParams) -> int:
-        """Admit a job, from the longest stored prefix of its prompt (its tenant's) if there is one
-        worth loading; returns how many prompt tokens that prefix saved (0: a full prefill)."""
-        prompt = payload.prompt_token_ids
-        namespace = namespace_of(self.engine.layout, payload.tenant)
-        with job_span("cache.lookup", job_id, kind=SpanKind.CLIENT):
-            match = self.store.lookup(namespace, prompt, below=len(prompt))
-        anchors = anchor_positions(len(prompt), match, self.anchor_interval)
-        miss = match.miss_reason
-        if match.key is not None and self._too_slow_to_load(match):
-            miss = "too_slow"
-        elif match.key is not None:
-            ttl = self.retention.ttl(payload.tenant, payload.retention)
+    def _fetch(self, job_id: str, job: _Job) -> _Fetched:
+        """On a fetch thread: the longest stored prefix of the job's prompt (its tenant's), loaded
+        if it is worth loading. No engine work here: the engine has one thread."""
+        prompt = job.payload.prompt_token_ids
+        with within(job.span, job_id):
+            with job_span("cache.lookup", job_id, kind=SpanKind.CLIENT):
+                match = self.store.lookup(job.namespace, prompt, below=len(prompt))
+            anchors = anchor_positions(len(prompt), match, self.anchor_interval)
+            if match.key is None:
+                return _Fetched(None, anchors)
+            if self._too_slow_to_load(match):
+                metrics.CACHE_MISSES.labels("too_slow").inc()  # the store counts the other reasons
+                return _Fetched(None, anchors)
             with job_span("cache.load", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": match.size}):
-                snapshot, miss = self.store.load(match.key, renew_seconds=ttl)  # a hit keeps it longer
+                snapshot, _ = self.store.load(match.key, renew_seconds=job.ttl)  # a hit keeps it longer
             if snapshot is not None:
                 metrics.STATE_BYTES.labels("get").inc(match.size)
-                try:
-                    if self.engine.import_prefix(job_id, snapshot, prompt, params, anchors):
-                        return snapshot.num_computed
-                except SnapshotError as err:  # unusable: a miss, computed from scratch
-                    log.warning("prefix %s unusable: %s", match.key, err)
-                    metrics.CACHE_MISSES.labels("corrupt").inc()
-                if job_id in self.engine.seqs:  # queued for a full prefill: no room to load it now
-                    return 0
-        if miss == "too_slow":  # the store counts the other reasons
-            metrics.CACHE_MISSES.labels(miss).inc()
-        self.engine.add_request(job_id, prompt, params, anchors)
+            return _Fetched(snapshot, anchors)
+
+    def _admit(self, job_id: str, job: _Job) -> None:
+        """Start a job whose fetch is done: from its prefix if it has one, else from scratch."""
+        assert job.fetch is not None
+        try:
+            fetched = job.fetch.result()
+        except Exception:  # a cache that fails is a miss, never a failed job
+            log.exception("prefix lookup for %s failed", job_id)
+            fetched = _Fetched(None, [])
+        job.fetch = None
+        prompt = job.payload.prompt_token_ids
+        try:
+            with within(job.span, job_id):
+                job.cached_tokens = self._start(job_id, prompt, job.params, fetched)
+        except EngineError as err:
+            with within(job.span, job_id, end=True):
+                self._fail(job_id, str(err), job.span)
+            del self.jobs[job_id]
+            self.watermarks.release(job_id)
+            return
+        job.span.set_attribute("deepmesh.cached_tokens", job.cached_tokens)
+        metrics.PROMPT_TOKENS.labels(self.group).inc(len(prompt))
+        metrics.PREFIX_TOKENS.labels("hit").inc(job.cached_tokens)
+        metrics.PREFIX_TOKENS.labels("miss").inc(len(prompt) - job.cached_tokens)
+
+    def _start(self, job_id: str, prompt: list[int], params: SamplingParams, fetched: _Fetched) -> int:
+        """Add a job to the engine; returns how many prompt tokens its prefix saved (0: a full prefill)."""
+        if fetched.snapshot is not None:
+            try:
+                if self.engine.import_prefix(job_id, fetched.snapshot, prompt, params, fetched.anchors):
+                    return fetched.snapshot.num_computed
+            except SnapshotError as err:  # unusable: a miss, computed from scratch
+                log.warning("stored prefix unusable: %s", err)
+                metrics.CACHE_MISSES.labels("corrupt").inc()
+            if job_id in self.engine.seqs:  # queued for a full prefill: no room to load it now
+                return 0
+        self.engine.add_request(job_id, prompt, params, fetched.anchors)
         return 0
 
     def _too_slow_to_load(self, match: PrefixMatch) -> bool:
@@ -156,6 +189,14 @@ class PrefillWorker(Worker):
 
     def idle(self) -> None:
         if not self.jobs:
+            return
+        fetching = [job.fetch for job in self.jobs.values() if job.fetch is not None]
+        if fetching and not self.engine.has_unfinished_requests():
+            wait(fetching, timeout=0.005, return_when=FIRST_COMPLETED)  # nothing else to do meanwhile
+        for job_id, job in list(self.jobs.items()):
+            if job.fetch is not None and job.fetch.done():
+                self._admit(job_id, job)
+        if not self.engine.has_unfinished_requests():
             return
         started = time.perf_counter()
         outputs = self.engine.step()
@@ -228,9 +269,17 @@ class PrefillWorker(Worker):
         """Store a state of the prompt where a longer prompt that starts with it can resume."""
         with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
             holder, seconds = (job_id, self.lease_seconds) if lease else (None, 0.0)
-            stored = self.store.put_prefix(job.namespace, data, job.ttl, holder, seconds)
+            try:
+                stored = self.store.put_prefix(job.namespace, data, job.ttl, holder, seconds)
+            except Exception:  # a cache that fails is a later miss, never a lost job
+                log.exception("storing a prefix of %s failed", job_id)
+                return None
         metrics.STATE_BYTES.labels("put").inc(len(data))
         return stored
+
+    def close(self) -> None:
+        super().close()
+        self.fetcher.shutdown(wait=False, cancel_futures=True)
 
     def _fail(self, job_id: str, reason: str, span: Span) -> None:
         error = {"error": {"message": reason, "type": "invalid_request_error", "param": None, "code": None}}

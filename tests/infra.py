@@ -56,6 +56,20 @@ def scratch_store(tmp_path):
     return StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(1 << 30), DirectoryTier(tmp_path / "kv", None)])
 
 
+def wait_until_up(url: str, processes: list[subprocess.Popen], timeout: float, where: str) -> None:
+    """Wait for `url` to answer 200, failing as soon as one of the processes behind it dies."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        dead = [p.args for p in processes if p.poll() is not None]
+        assert not dead and time.monotonic() < deadline, f"{url} did not come up (dead: {dead}); {where}"
+        time.sleep(0.2)
+
+
 class CacheProcess:
     """`deepmesh cache` as a process of its own, with its log in `root`."""
 
@@ -70,15 +84,8 @@ class CacheProcess:
         command = [sys.executable, "-m", "deepmesh.cli", "cache", "--port", str(self.port)]
         command += ["--dir", str(self.root / f"{self.name}-disk")]
         self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=log)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz").status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            assert self.process.poll() is None and time.monotonic() < deadline, f"see {self.root}"
-            time.sleep(0.2)
+        wait_until_up(f"{self.url}/healthz", [self.process], 60, f"see {self.root}")
+        return self
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

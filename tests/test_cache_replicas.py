@@ -140,3 +140,21 @@ def test_a_prefix_slower_to_load_than_to_compute_is_computed(tmp_path, tiny_chec
     assert REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "too_slow"}) == too_slow + 1
     # one token a second: loading wins
     assert prefill_once(engine, store, [*first, *more, 1], tokens_per_second=1.0).cached_tokens > 0
+
+
+def test_a_failing_cache_loses_no_job(tmp_path, tiny_checkpoint):
+    """The catalog's table gone (a real database error on every cache call): prefill still hands
+    the job over, without state, and decode would recompute it."""
+    from sqlalchemy import text
+
+    from cache_svc.catalog import Catalog
+    from cache_svc.tiers import DirectoryTier, MemoryTier
+
+    store = StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(None), DirectoryTier(tmp_path / "disk", None)])
+    with store.catalog.engine.begin() as connection:
+        connection.execute(text("DROP TABLE cache_entries"))
+    engine = LLMEngine.from_pretrained(tiny_checkpoint)
+    (prompt,) = random_prompts([200], seed=6)
+    cold = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    handoff = prefill_once(engine, store, prompt)
+    assert handoff.kv is None and handoff.cached_tokens == 0 and handoff.first_token == cold

@@ -62,3 +62,37 @@ def test_generate_reports_bad_input_clearly(tiny_preset, tmp_path):
     result = deepmesh("generate", "--model", str(tiny_preset), "--prompt", "x", "--max-tokens", "0")
     assert result.returncode == 2 and "max_tokens must be a positive integer" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_answers_and_cache_stats_reads_its_cache(tiny_preset, tmp_path):
+    """`deepmesh serve` (what `make run` starts), then `deepmesh cache stats` against it."""
+    import os
+    import signal
+
+    import httpx
+
+    from tests.behaviour import free_port
+    from tests.infra import wait_until_up
+
+    port = free_port()
+    env = {
+        **os.environ,
+        "DEEPMESH_DATABASE_URL": f"sqlite:///{tmp_path}/deepmesh.db",
+        "DEEPMESH_CACHE_DIR": str(tmp_path / "kv"),
+        "DEEPMESH_TRACE_EXPORTER": "none",
+    }
+    command = [sys.executable, "-m", "deepmesh.cli", "serve", "--port", str(port), "--model", str(tiny_preset)]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(f"{url}/readyz", [server], 120, f"see {tmp_path / 'serve.log'}")
+        body = {"model": "deepmesh-tiny", "messages": [{"role": "user", "content": "hello " * 150}], "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code == 200
+        shown = deepmesh("cache", "stats", "--url", url)
+        assert shown.returncode == 0, shown.stderr
+        assert "memory" in shown.stdout and "anchors" in shown.stdout and "blocks" in shown.stdout
+        assert "deepmesh_prefix_cache_tokens_total{outcome=miss}" in shown.stdout
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    assert server.returncode == 0

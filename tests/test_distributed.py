@@ -28,7 +28,7 @@ from tests.behaviour import (
     free_port,
     one_process_answer,
 )
-from tests.infra import fresh_database, require_service
+from tests.infra import fresh_database, require_service, wait_until_up
 
 
 class Cluster:
@@ -77,16 +77,7 @@ class Cluster:
                 self.spawn("gateway", "--port", str(self.gateway_port))
             else:
                 self.spawn(name)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            dead = [n for n, p in self.processes.items() if p.poll() is not None]
-            assert not dead and time.monotonic() < deadline, f"cluster did not start (dead: {dead}); see {self.root}"
-            time.sleep(0.5)
+        wait_until_up(f"{self.url}/readyz", list(self.processes.values()), 180, f"see {self.root}")
         return self
 
     def stop(self) -> None:
