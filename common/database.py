@@ -6,7 +6,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -24,4 +24,16 @@ def open_database(url: str, migrations: Path) -> tuple[Engine, sessionmaker[Sess
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     migrate(url, migrations)
     engine = create_engine(url, pool_pre_ping=True)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
     return engine, sessionmaker(engine, expire_on_commit=False)
+
+
+def _sqlite_pragmas(connection, _record) -> None:
+    """Write-ahead logging: readers (fetch threads, the API) never wait for a writer, and a
+    commit appends to the log instead of syncing the database file each time."""
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()

@@ -86,6 +86,7 @@ class PrefillWorker(Worker):
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
         self.jobs: dict[str, _Job] = {}
         self.tokens_per_second = 0.0  # measured prefill speed, against which a load is weighed
+        self.fetch_threads = fetch_threads
         self.fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="prefill-fetch")
 
     @property
@@ -278,8 +279,11 @@ class PrefillWorker(Worker):
         return stored
 
     def close(self) -> None:
+        """Stop consuming. Fetches under way finish on their threads (their jobs are admitted if
+        this worker runs again); new ones go to a fresh pool."""
         super().close()
-        self.fetcher.shutdown(wait=False, cancel_futures=True)
+        self.fetcher.shutdown(wait=False)
+        self.fetcher = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="prefill-fetch")
 
     def _fail(self, job_id: str, reason: str, span: Span) -> None:
         error = {"error": {"message": reason, "type": "invalid_request_error", "param": None, "code": None}}

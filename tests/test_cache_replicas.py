@@ -37,15 +37,21 @@ def caches(tmp_path):
 
 
 def prefill_once(
-    engine: LLMEngine, cache: str | StateStore, prompt: list[int], tokens_per_second: float = 0.0
+    engine: LLMEngine,
+    cache: str | StateStore,
+    prompt: list[int],
+    tokens_per_second: float = 0.0,
+    worker: PrefillWorker | None = None,
 ) -> DecodePayload:
-    """One job through a real PrefillWorker over an in-process bus, with a cache service (its
-    URL) or a store of its own; returns its hand-over."""
-    bus, prefix = MemoryBus(), f"r{uuid.uuid4().hex[:6]}."
-    bus.create_topics(all_topic_names(prefix), 1)
-    worker = PrefillWorker(bus, prefix, engine, StateClient(cache) if isinstance(cache, str) else cache)
-    worker.tokens_per_second = tokens_per_second  # as if measured: what a load is weighed against
-    handoffs = bus.consumer([topic_name(Topic.DECODE, prefix)], "test")
+    """One job through a real PrefillWorker (a new one, over an in-process bus, unless given),
+    with a cache service (its URL) or a store of its own; returns its hand-over."""
+    if worker is None:
+        bus, prefix = MemoryBus(), f"r{uuid.uuid4().hex[:6]}."
+        bus.create_topics(all_topic_names(prefix), 1)
+        worker = PrefillWorker(bus, prefix, engine, StateClient(cache) if isinstance(cache, str) else cache)
+        worker.tokens_per_second = tokens_per_second  # as if measured: what a load is weighed against
+    bus, prefix = worker.bus, worker.prefix
+    handoffs = bus.consumer([topic_name(Topic.DECODE, prefix)], f"test-{uuid.uuid4().hex[:6]}", from_beginning=False)
     payload = PrefillPayload(
         endpoint="chat.completions",
         body={},
@@ -65,7 +71,8 @@ def prefill_once(
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             for record in handoffs.poll(timeout=0.2):
-                return payload_of(decode(record.value, "decode"), DecodePayload)
+                if record.key == job:
+                    return payload_of(decode(record.value, "decode"), DecodePayload)
         raise AssertionError("no hand-over from prefill")
     finally:
         stop.set()
@@ -158,3 +165,17 @@ def test_a_failing_cache_loses_no_job(tmp_path, tiny_checkpoint):
     cold = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
     handoff = prefill_once(engine, store, prompt)
     assert handoff.kv is None and handoff.cached_tokens == 0 and handoff.first_token == cold
+
+
+def test_a_prefill_worker_stopped_and_run_again_still_loads_prefixes(tmp_path, tiny_checkpoint):
+    """Stopping a worker closes it (its consumer, its fetch threads); running it again works."""
+    from cache_svc.catalog import Catalog
+    from cache_svc.tiers import DirectoryTier, MemoryTier
+
+    store = StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(None), DirectoryTier(tmp_path / "disk", None)])
+    bus, prefix = MemoryBus(), f"again{uuid.uuid4().hex[:6]}."
+    bus.create_topics(all_topic_names(prefix), 1)
+    worker = PrefillWorker(bus, prefix, LLMEngine.from_pretrained(tiny_checkpoint), store)
+    first, more = random_prompts([300, 40], seed=7)
+    assert prefill_once(worker.engine, store, first, worker=worker).cached_tokens == 0
+    assert prefill_once(worker.engine, store, [*first, *more], worker=worker).cached_tokens == len(first)
