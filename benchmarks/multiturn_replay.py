@@ -1,4 +1,4 @@
-"""Multi-turn conversations replayed through prefill, the state store and decode: how much of
+"""Multi-turn conversations replayed through prefill, the KV cache and decode: how much of
 each prompt the prefix cache serves, against the most any cache could, and what a hit does to
 the time to first token.
 

@@ -119,9 +119,9 @@ class PrefillPayload(BaseModel):
 class KVHandle(BaseModel):
     """Names state held by the cache service: Kafka carries this, never the state itself."""
 
-    key: str
-    size: int
-    checksum: str  # sha256 of the stored bytes
+    key: str  # the prompt's entry (its anchor key)
+    size: int  # bytes of the whole entry: its head and its blocks
+    checksum: str  # sha256 of the entry's head blob
     layout: str  # engine state layout; a consumer refuses one it does not understand
     num_tokens: int
     lease_expires_at: float

@@ -132,3 +132,25 @@ def test_an_answer_is_the_same_however_its_tokens_are_grouped(codec):
     assert together.body()["choices"] == one_by_one.body()["choices"]
     assert together.body()["choices"][0]["message"]["content"].startswith("背景下/the")
     assert together.body()["usage"] == one_by_one.body()["usage"]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "count"),
+    [
+        ("chat.completions", lambda b: b["usage"]["completion_tokens"]),
+        ("responses", lambda b: b["usage"]["output_tokens"]),
+        ("messages", lambda b: b["usage"]["output_tokens"]),
+    ],
+)
+def test_every_generated_token_counts_even_inside_a_character(codec, text_tokens, endpoint, count):
+    """An answer cut by max_tokens in the middle of a UTF-8 character: the recipe's processor
+    holds the last token back and left it out of the usage (1 in about 50 sampled answers of
+    the tiny model); generated tokens are what the usage reports."""
+    partial = Tokenizer.from_file(str(TOKENIZER)).token_to_id("ä")  # the first byte of a CJK character
+    tokens = [*text_tokens("hello world"), partial]
+    out = codec.output(endpoint, BODIES[endpoint], "id-5")
+    out.start(prompt_tokens=10)
+    for token in tokens:
+        out.tokens([token])
+    out.finish("length")
+    assert count(out.body()) == len(tokens)

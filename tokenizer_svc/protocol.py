@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import deepseek_recipe as recipe
+from tokenizers import Tokenizer
 
 ENDPOINTS = {
     "chat.completions": (recipe.ChatCompletionRequest, recipe.ChatCompletionResponse, "chatcmpl"),
@@ -65,6 +66,7 @@ class Codec:
         self, tokenizer_file: str | Path, served_models: Sequence[str], context_limit: int, stop_ids: set[int]
     ):
         self.tokenizer = recipe.Tokenizer.from_file(str(tokenizer_file))
+        self.decoder = Tokenizer.from_file(str(tokenizer_file))  # bytes of tokens: see OutputStream.tokens
         self.encoding = recipe.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
         options = recipe.ConversionOptions()
         for name in served_models:
@@ -128,14 +130,24 @@ class Codec:
         parsing = conversation_request.parsing_options
         generator = request_type.chunk_generator(conversation_request, response_id, model)
         processor = recipe.StreamProcessor(generator, parsing, self.tokenizer)
-        return OutputStream(processor, response_type, response_id, model, self.stop_ids)
+        return OutputStream(processor, response_type, response_id, model, self.stop_ids, self.decoder)
 
 
 class OutputStream:
     """Generated tokens in, protocol events out, for one response."""
 
-    def __init__(self, processor: Any, response_type: Any, response_id: str, model: str, stop_ids: set[int]):
+    def __init__(
+        self,
+        processor: Any,
+        response_type: Any,
+        response_id: str,
+        model: str,
+        stop_ids: set[int],
+        decoder: Tokenizer,
+    ):
         self.processor = processor
+        self.decoder = decoder
+        self.unsettled: list[int] = []  # the last tokens, if they end inside a UTF-8 character
         self.response_type = response_type
         self.response_id = response_id
         self.model = model
@@ -168,6 +180,9 @@ class OutputStream:
                 break
             if token not in self.stop_ids:
                 events += self._events(self.processor.push(recipe.InferenceChunk.tokens([token])))
+                self.unsettled.append(token)
+                if not self.decoder.decode(self.unsettled).endswith("\ufffd"):
+                    self.unsettled.clear()
         return events
 
     def finish(self, reason: str) -> list[Event]:
@@ -177,7 +192,12 @@ class OutputStream:
         )
         if self.complete:  # a stop sequence already ended the output
             return []
-        events = self._events(self.processor.push(recipe.InferenceChunk.finish(backend_reason)))
+        events: list[Event] = []
+        if self.unsettled:
+            # The answer ends inside a character: the processor holds those tokens back and would
+            # leave them out of the usage. They were generated, so they count.
+            events += self._events(self.processor.push(recipe.InferenceChunk.text("", len(self.unsettled))))
+        events += self._events(self.processor.push(recipe.InferenceChunk.finish(backend_reason)))
         return events + self._events(self.processor.finish())
 
     def body(self) -> dict[str, Any]:
