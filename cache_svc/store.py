@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -92,7 +92,6 @@ class MaintenanceReport:
     evicted: int = 0
     expired: int = 0
     orphans: int = 0
-    details: dict[str, int] = field(default_factory=dict)
 
 
 class StateStore:
