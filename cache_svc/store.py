@@ -30,6 +30,7 @@ import torch
 
 from cache_svc.catalog import Catalog, Entry
 from cache_svc.prefix import anchor_key, block_key, chain
+from cache_svc.retention import TENANT_PATTERN
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
 from common import metrics
 from common.settings import Settings
@@ -135,8 +136,7 @@ class StateStore:
         """Store a snapshot as the anchor of the tokens it was computed from, in `namespace`
         (layout/tenant). With a lease holder it is pinned for lease_seconds (a hand-over)."""
         snapshot = StateSnapshot.from_bytes(data)
-        if not namespace.startswith(snapshot.layout + "/"):
-            raise SnapshotError(f"namespace {namespace!r} is not of the snapshot's layout {snapshot.layout}")
+        _check(namespace, snapshot)
         tokens = snapshot.token_ids[: snapshot.num_computed]
         links = chain(tokens, namespace)
         full = _full_blocks(snapshot)
@@ -473,6 +473,21 @@ class StateStore:
                 tier.remove(key)
             self._dirty.pop(key, None)
             self.catalog.remove([key])
+
+
+def _check(namespace: str, snapshot: StateSnapshot) -> None:
+    """Refuse what no engine could have produced, before it is stored for others to load."""
+    layout, _, tenant = namespace.partition("/")
+    if layout != snapshot.layout:
+        raise SnapshotError(f"namespace {namespace!r} is not of the snapshot's layout {snapshot.layout}")
+    if not TENANT_PATTERN.fullmatch(tenant):
+        raise SnapshotError(f"namespace {namespace!r} does not end with a tenant id")
+    n = snapshot.num_computed
+    if not 0 < n <= len(snapshot.token_ids):
+        raise SnapshotError(f"a snapshot of {n} computed tokens out of {len(snapshot.token_ids)}")
+    blocks = snapshot.blocks
+    if blocks.ndim != 2 or (blocks.shape[1] and blocks.shape[0] != -(-n // BLOCK_SIZE)):
+        raise SnapshotError(f"block rows {tuple(blocks.shape)} do not fit {n} tokens")
 
 
 def _row_bytes(row: torch.Tensor) -> bytes:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from cache_svc.client import StateClient
+from engine.state_transfer import StateSnapshot
 from tests.infra import CacheProcess, fresh_database, require_service
 from tests.test_cache_store import NS, snapshot_of, tokens
 
@@ -46,6 +47,15 @@ def test_the_http_api_stores_finds_loads_and_pins(cache):
     assert client.lookup(NS, tokens(50, 7000), below=50).miss_reason == "shorter_than_block"
     bad = httpx.post(f"{url}/v1/prefix", content=b"not a snapshot", headers={"X-Namespace": NS, "X-TTL-Seconds": "60"})
     assert bad.status_code == 400 and "unreadable" in bad.json()["error"]["message"]
+    good = snapshot_of(tokens(300))
+    for namespace, snapshot, problem in (
+        (f"{NS.split('/')[0]}/not a tenant", good, "tenant"),
+        (NS, StateSnapshot(good.layout, good.token_ids, 300, 300, 0, good.blocks[:1], good.slot), "block rows"),
+        (NS, StateSnapshot(good.layout, good.token_ids, 300, 301, 0, good.blocks, good.slot), "computed tokens"),
+    ):
+        headers = {"X-Namespace": namespace, "X-TTL-Seconds": "60"}
+        refused = httpx.post(f"{url}/v1/prefix", content=snapshot.to_bytes(), headers=headers)
+        assert refused.status_code == 400 and problem in refused.json()["error"]["message"], problem
     missing = httpx.post(f"{url}/v1/prefix", content=b"x")  # no namespace or TTL
     assert missing.status_code == 422
     assert httpx.post(f"{url}/v1/maintenance/nope").status_code == 404
