@@ -113,7 +113,7 @@ def create_app(store: StateStore) -> FastAPI:
 
     @app.post("/v1/maintenance")
     async def maintain() -> dict:
-        return asdict(await run_in_threadpool(store.maintain))
+        return {task: await run_in_threadpool(run_task, store, task) for task in TASKS}
 
     @app.post("/v1/maintenance/{task}")
     async def maintain_one(task: str) -> Response:

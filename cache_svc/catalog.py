@@ -49,6 +49,10 @@ class Entry(Base):
     def pinned(self, now: float) -> bool:
         return any(until > now for until in self.leases.values())
 
+    def expired(self, now: float) -> bool:
+        """Past its expiry and held by no lease: gone for every purpose."""
+        return self.expires_at <= now and not self.pinned(now)
+
     @property
     def tier_names(self) -> list[str]:
         return [t for t in self.tiers.split(",") if t]

@@ -76,9 +76,6 @@ class StateClient:
     def stats(self) -> dict[str, Any] | None:
         return self._call("GET", "/v1/stats")
 
-    def maintain(self) -> dict[str, Any] | None:
-        return self._call("POST", "/v1/maintenance")
-
     def close(self) -> None:
         self.http.close()
 

@@ -86,15 +86,6 @@ class _Speed:
         self.samples += 1
 
 
-@dataclass
-class MaintenanceReport:
-    flushed: int = 0
-    demoted: int = 0
-    evicted: int = 0
-    expired: int = 0
-    orphans: int = 0
-
-
 class StateStore:
     def __init__(self, catalog: Catalog, tiers: list[Tier], clock: Callable[[], float] = time.time):
         if not tiers:
@@ -136,7 +127,7 @@ class StateStore:
         """Store a snapshot as the anchor of the tokens it was computed from, in `namespace`
         (layout/tenant). With a lease holder it is pinned for lease_seconds (a hand-over)."""
         snapshot = StateSnapshot.from_bytes(data)
-        _check(namespace, snapshot)
+        tenant = _check(namespace, snapshot)
         tokens = snapshot.token_ids[: snapshot.num_computed]
         links = chain(tokens, namespace)
         full = _full_blocks(snapshot)
@@ -146,7 +137,6 @@ class StateStore:
         )
         head_blob = head.to_bytes()
         now = self.clock()
-        tenant = namespace.split("/", 1)[1]
         blobs = {anchor_key(tokens, namespace, links): head_blob}
         blobs |= {block_key(links[i + 1]): _row_bytes(snapshot.blocks[i]) for i in range(full)}
         keys = list(blobs)
@@ -194,7 +184,7 @@ class StateStore:
             entry = self.catalog.get([key]).get(key)
             if entry is None:  # removed since
                 continue
-            if entry.expires_at <= now and not entry.pinned(now):
+            if entry.expired(now):
                 match.miss_reason = match.miss_reason or "expired"
                 continue
             found = entry
@@ -211,9 +201,9 @@ class StateStore:
             metrics.CACHE_MISSES.labels(match.miss_reason).inc()
             return match
         match.key, match.num_tokens, match.miss_reason = found.key, found.num_tokens, None
-        entries = self.catalog.get([found.key, *found.blocks])
-        match.size = sum(e.size for e in entries.values())
-        match.load_seconds = sum(e.size / self._speed_of(e.key) for e in entries.values())
+        entries = [found, *self.catalog.get(found.blocks).values()]
+        match.size = sum(e.size for e in entries)
+        match.load_seconds = sum(e.size / self._speed_of(e.key) for e in entries)
         return match
 
     def load(
@@ -236,18 +226,18 @@ class StateStore:
         anchor = self.catalog.get([key]).get(key)
         if anchor is None:
             return None, "evicted"
-        if anchor.expires_at <= now and not anchor.pinned(now):
+        if anchor.expired(now):
             return None, "expired"
         entries = self.catalog.get(anchor.blocks)
         if len(entries) < len(anchor.blocks):
-            self._remove(anchor.key)
+            self._remove([anchor.key])
             return None, "evicted"
         blobs = []
         for entry in [anchor, *(entries[k] for k in anchor.blocks)]:
             data, reason = self._read(entry)
             if data is None:
                 if reason == "corrupt" or self._lost(entry):
-                    self._remove(anchor.key)
+                    self._remove([anchor.key])
                 return None, reason
             blobs.append(data)
         try:
@@ -255,7 +245,7 @@ class StateStore:
             head.blocks = _with_rows(head.blocks, blobs[1:])
         except (SnapshotError, ValueError) as err:  # checksummed yet unreadable: written by something else
             log.warning("cache entry %s unreadable: %s", key, err)
-            self._remove(anchor.key)
+            self._remove([anchor.key])
             return None, "corrupt"
         self.catalog.hit(key, now, now + renew_seconds)
         return head, None
@@ -271,7 +261,7 @@ class StateStore:
 
     def delete(self, key: str) -> None:
         """Forget an anchor; its blocks stay for the other anchors that use them (or until expiry)."""
-        self._remove(key)
+        self._remove([key])
 
     def expires_at(self, key: str) -> float | None:
         entry = self.catalog.get([key]).get(key)
@@ -313,13 +303,8 @@ class StateStore:
     def sweep(self) -> int:
         """Remove expired, unpinned entries from every tier; returns how many."""
         now = self.clock()
-        expired = [e.key for e in self.catalog.expired(now) if not e.pinned(now)]
-        with self._lock:
-            for key in expired:
-                for tier in self.tiers:
-                    tier.remove(key)
-                self._dirty.pop(key, None)
-            self.catalog.remove(expired)
+        expired = [e.key for e in self.catalog.expired(now) if e.expired(now)]
+        self._remove(expired)
         metrics.CACHE_EXPIRED.inc(len(expired))
         return len(expired)
 
@@ -347,19 +332,9 @@ class StateStore:
             if key not in held and any(t.name in tiers for t in shared) and not any(t.exists(key) for t in shared)
         ]
         broken = self.catalog.anchors_missing_blocks()
-        self.catalog.remove([*lost, *broken])
-        for key in broken:
-            self._remove(key)
+        self.catalog.remove(lost)
+        self._remove(broken)
         return removed + len(lost) + len(broken)
-
-    def maintain(self) -> MaintenanceReport:
-        """Every maintenance task once, in dependency order."""
-        report = MaintenanceReport()
-        report.flushed = self.flush()
-        report.expired = self.sweep()
-        report.demoted, report.evicted = self.rebalance()
-        report.orphans = self.collect_orphans()
-        return report
 
     def stats(self) -> dict:
         """What `deepmesh cache stats` and /v1/stats show."""
@@ -442,7 +417,7 @@ class StateStore:
                     break
                 if last:
                     if key not in pinned:  # a pinned entry waits for its lease
-                        self._evict(key)
+                        self._remove([key])  # an anchor that needs it is a miss when next loaded
                         metrics.CACHE_EVICTIONS.labels(tier.name).inc()
                         evicted += 1
                     continue
@@ -459,24 +434,19 @@ class StateStore:
             demoted, evicted = demoted + d, evicted + e
         return demoted, evicted
 
-    def _evict(self, key: str) -> None:
-        """Drop a blob for good. An anchor that needs an evicted block is a miss when next loaded
-        (and removed then, or by collect_orphans)."""
-        for tier in self.tiers:
-            tier.remove(key)
-        self._dirty.pop(key, None)
-        self.catalog.remove([key])
-
-    def _remove(self, key: str) -> None:
+    def _remove(self, keys: list[str]) -> None:
+        """Drop blobs from every tier and their entries from the catalog."""
         with self._lock:
-            for tier in self.tiers:
-                tier.remove(key)
-            self._dirty.pop(key, None)
-            self.catalog.remove([key])
+            for key in keys:
+                for tier in self.tiers:
+                    tier.remove(key)
+                self._dirty.pop(key, None)
+            self.catalog.remove(keys)
 
 
-def _check(namespace: str, snapshot: StateSnapshot) -> None:
-    """Refuse what no engine could have produced, before it is stored for others to load."""
+def _check(namespace: str, snapshot: StateSnapshot) -> str:
+    """Refuse what no engine could have produced, before it is stored for others to load;
+    returns the namespace's tenant."""
     layout, _, tenant = namespace.partition("/")
     if layout != snapshot.layout:
         raise SnapshotError(f"namespace {namespace!r} is not of the snapshot's layout {snapshot.layout}")
@@ -488,6 +458,7 @@ def _check(namespace: str, snapshot: StateSnapshot) -> None:
     blocks = snapshot.blocks
     if blocks.ndim != 2 or (blocks.shape[1] and blocks.shape[0] != -(-n // BLOCK_SIZE)):
         raise SnapshotError(f"block rows {tuple(blocks.shape)} do not fit {n} tokens")
+    return tenant
 
 
 def _row_bytes(row: torch.Tensor) -> bytes:

@@ -47,13 +47,16 @@ def fresh_database(tmp_path) -> str:
     return make_url(url).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
 
 
-def scratch_store(tmp_path):
-    """A cache store of its own: memory, a disk directory and a fresh catalog."""
+def scratch_store(tmp_path, memory_bytes: int | None = 1 << 30):
+    """A cache store of its own: memory (0: every blob goes straight to disk), a disk directory
+    (`tmp_path / "kv"`) and a fresh catalog."""
     from cache_svc.catalog import Catalog
     from cache_svc.store import StateStore
     from cache_svc.tiers import DirectoryTier, MemoryTier
 
-    return StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(1 << 30), DirectoryTier(tmp_path / "kv", None)])
+    return StateStore(
+        Catalog(fresh_database(tmp_path)), [MemoryTier(memory_bytes), DirectoryTier(tmp_path / "kv", None)]
+    )
 
 
 def wait_until_up(url: str, processes: list[subprocess.Popen], timeout: float, where: str) -> None:

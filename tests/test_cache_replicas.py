@@ -20,7 +20,7 @@ from common.topics import Topic, all_topic_names, topic_name
 from engine import LLMEngine, SamplingParams
 from prefill_svc.worker import PrefillWorker
 from tests.conftest import random_prompts
-from tests.infra import CacheProcess, fresh_database
+from tests.infra import CacheProcess, fresh_database, scratch_store
 
 
 @pytest.fixture
@@ -111,16 +111,13 @@ def lookup_args(engine: LLMEngine, prompt: list[int]) -> tuple[str, list[int], i
 def test_a_corrupted_entry_is_detected_and_the_prompt_recomputed(tmp_path, tiny_checkpoint):
     from prometheus_client import REGISTRY
 
-    from cache_svc.catalog import Catalog
-    from cache_svc.tiers import DirectoryTier, MemoryTier
-
-    store = StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(0), DirectoryTier(tmp_path / "disk", None)])
+    store = scratch_store(tmp_path, memory_bytes=0)
     engine = LLMEngine.from_pretrained(tiny_checkpoint)
     first, more = random_prompts([300, 40], seed=4)
     follow_up = [*first, *more]
     cold = engine.generate([follow_up], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
     prefill_once(engine, store, first)
-    blob = max((tmp_path / "disk").iterdir(), key=lambda p: p.stat().st_size)  # the head: the window snapshot
+    blob = max((tmp_path / "kv").iterdir(), key=lambda p: p.stat().st_size)  # the head: the window snapshot
     data = bytearray(blob.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit of state
     blob.write_bytes(bytes(data))
@@ -134,10 +131,7 @@ def test_a_corrupted_entry_is_detected_and_the_prompt_recomputed(tmp_path, tiny_
 def test_a_prefix_slower_to_load_than_to_compute_is_computed(tmp_path, tiny_checkpoint):
     from prometheus_client import REGISTRY
 
-    from cache_svc.catalog import Catalog
-    from cache_svc.tiers import DirectoryTier, MemoryTier
-
-    store = StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(None), DirectoryTier(tmp_path / "disk", None)])
+    store = scratch_store(tmp_path)
     engine = LLMEngine.from_pretrained(tiny_checkpoint)
     first, more = random_prompts([300, 40], seed=5)
     prefill_once(engine, store, first)
@@ -154,10 +148,7 @@ def test_a_failing_cache_loses_no_job(tmp_path, tiny_checkpoint):
     the job over, without state, and decode would recompute it."""
     from sqlalchemy import text
 
-    from cache_svc.catalog import Catalog
-    from cache_svc.tiers import DirectoryTier, MemoryTier
-
-    store = StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(None), DirectoryTier(tmp_path / "disk", None)])
+    store = scratch_store(tmp_path)
     with store.catalog.engine.begin() as connection:
         connection.execute(text("DROP TABLE cache_entries"))
     engine = LLMEngine.from_pretrained(tiny_checkpoint)
@@ -169,10 +160,7 @@ def test_a_failing_cache_loses_no_job(tmp_path, tiny_checkpoint):
 
 def test_a_prefill_worker_stopped_and_run_again_still_loads_prefixes(tmp_path, tiny_checkpoint):
     """Stopping a worker closes it (its consumer, its fetch threads); running it again works."""
-    from cache_svc.catalog import Catalog
-    from cache_svc.tiers import DirectoryTier, MemoryTier
-
-    store = StateStore(Catalog(fresh_database(tmp_path)), [MemoryTier(None), DirectoryTier(tmp_path / "disk", None)])
+    store = scratch_store(tmp_path)
     bus, prefix = MemoryBus(), f"again{uuid.uuid4().hex[:6]}."
     bus.create_topics(all_topic_names(prefix), 1)
     worker = PrefillWorker(bus, prefix, LLMEngine.from_pretrained(tiny_checkpoint), store)

@@ -238,6 +238,6 @@ def test_orphans_are_collected(tmp_path, database, clock):
     assert not (tmp_path / "a-disk" / stray).exists() and store.load(key)[0] is not None
     # an anchor whose block was evicted cannot be loaded any more: collected too
     broken = put(store, tokens(300, 5000))
-    store._evict(block_key(chain(tokens(300, 5000), NS)[1]))
+    store._remove([block_key(chain(tokens(300, 5000), NS)[1])])  # as an eviction from the last tier does
     assert store.collect_orphans() == 1
     assert store.catalog.get([broken]) == {} and store.load(key)[0] is not None
