@@ -237,7 +237,8 @@ class StateStore:
             data, reason = self._read(entry)
             if data is None:
                 if reason == "corrupt" or self._lost(entry):
-                    self._remove([anchor.key])
+                    # the bad or lost blob too: else a block stays known, and is never written again
+                    self._remove(list({anchor.key, entry.key}))
                 return None, reason
             blobs.append(data)
         try:

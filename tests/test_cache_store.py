@@ -135,6 +135,10 @@ def test_a_corrupt_blob_is_a_miss_and_its_entry_is_removed(tmp_path, database, c
     (tmp_path / "a-disk" / block).write_bytes(b"garbage")
     assert store.load(key) == (None, "corrupt")
     assert store.lookup(NS, [*tokens(300), 1], below=301).key is None
+    # the bad block went too: storing the prefix again writes it anew, and it loads
+    assert not (tmp_path / "a-disk" / block).exists()
+    key = put(store, tokens(300))
+    assert same(store.load(key)[0], snapshot_of(tokens(300)))
 
 
 def test_ttl_expiry_renewal_on_hit_and_the_sweep(tmp_path, database, clock):
