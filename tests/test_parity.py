@@ -21,6 +21,9 @@ def pair(request, checkpoints):
 
 
 def reference_greedy(reference, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation with EOS an ordinary token, as the engine's ignore_eos makes it.
+    Without clearing the model's own eos_token_id, min_new_tokens would forbid that token instead."""
+    reference.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
     config = GenerationConfig(
         max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=None
