@@ -15,8 +15,9 @@ $(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "uv>=0.13,<0.14"
 
+# --compile-bytecode: every process the tests start imports torch from .pyc instead of compiling it
 $(INSTALLED): pyproject.toml $(BIN)/uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -e ".[test]"
+	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e ".[test]"
 	touch $@
 
 $(TINY_MODEL)/config.json: $(INSTALLED)
