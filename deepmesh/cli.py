@@ -30,7 +30,26 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("outdir", type=Path)
     make.add_argument("--preset", choices=["tiny", "small"], default="tiny")
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument(
+        "--format",
+        choices=["transformers", "deepseek"],
+        default="transformers",
+        help="tensor names: transformers' module names, or DeepSeek's as published (with MTP modules)",
+    )
+    make.add_argument(
+        "--quant",
+        choices=["none", "fp8", "fp8-fp4"],
+        default="none",
+        help="fp8: block-scaled FP8 projections and experts; fp8-fp4: FP4 routed experts (both: the rest bf16)",
+    )
+    make.add_argument("--scale-fmt", choices=["ue8m0", "float"], default="ue8m0", help="FP8/FP4 scale format")
+    make.add_argument("--shards", type=int, default=1, help="safetensors files (more than 1: with an index)")
     make.set_defaults(run=_make_model)
+
+    inspect = commands.add_parser("inspect", help="what a checkpoint holds and whether this engine can serve it")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
+    inspect.set_defaults(run=_inspect)
 
     gen = commands.add_parser("generate", help="generate text from a prompt with the engine")
     gen.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory")
@@ -97,9 +116,25 @@ def main(argv: list[str] | None = None) -> int:
 def _make_model(args: argparse.Namespace) -> int:
     from engine.make_model import make_model
 
-    path = make_model(args.outdir, args.preset, args.seed)
+    path = make_model(
+        args.outdir,
+        args.preset,
+        args.seed,
+        layout=args.format,
+        quant=args.quant,
+        scale_fmt=args.scale_fmt,
+        shards=args.shards,
+    )
     print(path)
     return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from engine.inspect_checkpoint import inspect_checkpoint, render
+
+    report = inspect_checkpoint(args.path, dtype=args.dtype)
+    print(render(report))
+    return 0 if report.servable else 1
 
 
 def _trace(args: argparse.Namespace) -> int:

@@ -26,6 +26,52 @@ BLOCK_SIZE = 128
 
 
 @dataclass
+class QuantConfig:
+    """`quantization_config` of a block-scaled FP8 checkpoint, as transformers' fine-grained FP8
+    path reads it: e4m3 weights with one scale per `weight_block_size` tile, routed experts in
+    FP8 or in FP4 (`expert_dtype`), scales float32 or powers of two (`scale_fmt: ue8m0`)."""
+
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float"
+    expert_dtype: str = "fp8"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], expert_dtype: str | None = None) -> QuantConfig:
+        def refuse(what: str) -> UnsupportedCheckpointError:
+            return UnsupportedCheckpointError(
+                f"quantization_config {what} is not supported; this engine loads block-scaled FP8 "
+                "(quant_method fp8, activation_scheme dynamic, scale_fmt float or ue8m0, expert_dtype fp8 or fp4)"
+            )
+
+        method = raw.get("quant_method")
+        if method != "fp8":
+            raise refuse(f"quant_method {method!r}")
+        if raw.get("activation_scheme", "dynamic") != "dynamic":
+            raise refuse(f"activation_scheme {raw['activation_scheme']!r}")
+        if raw.get("fmt", "e4m3") != "e4m3":
+            raise refuse(f"fmt {raw['fmt']!r}")
+        block = raw.get("weight_block_size") or (128, 128)
+        if not (isinstance(block, list | tuple) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+            raise refuse(f"weight_block_size {block!r}")
+        scale_fmt = raw.get("scale_fmt") or "float"
+        if scale_fmt not in ("float", "ue8m0"):
+            raise refuse(f"scale_fmt {scale_fmt!r}")
+        experts = raw.get("expert_dtype") or expert_dtype or "fp8"
+        if experts not in ("fp8", "fp4"):
+            raise refuse(f"expert_dtype {experts!r}")
+        return cls(tuple(block), scale_fmt, experts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.weight_block_size),
+            "scale_fmt": self.scale_fmt,
+            "expert_dtype": self.expert_dtype,
+        }
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 129280
     hidden_size: int = 4096
@@ -65,6 +111,8 @@ class ModelConfig:
     partial_rotary_factor: float = 64 / 512
     rope_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     torch_dtype: str = "float32"
+    num_nextn_predict_layers: int = 1  # multi-token-prediction modules (`mtp.N.*`), as transformers counts them
+    quantization_config: QuantConfig | None = None
 
     @property
     def rope_head_dim(self) -> int:
@@ -85,19 +133,25 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         raw = dict(raw)
         model_type = raw.get("model_type", "deepseek_v4")
+        if model_type == "deepseek_v41":
+            raise UnsupportedCheckpointError(
+                "model_type 'deepseek_v41' is DeepSeek-V4.1 (DeepInfer's architecture: compressor ratios 0/1/2, "
+                "YOCO cross-layer sharing, Engram embeddings), which this engine does not implement yet; "
+                "it runs DeepSeek-V4 (deepseek_v4) checkpoints"
+            )
         if model_type != "deepseek_v4":
             raise UnsupportedCheckpointError(
                 f"model_type {model_type!r} is not supported: this engine runs DeepSeek-V4 "
                 "(transformers' `deepseek_v4`) checkpoints only"
             )
+        known = set(cls.__dataclass_fields__) - {"rope_parameters", "quantization_config"}
+        cfg = cls(**{k: v for k, v in raw.items() if k in known})
         quant = raw.get("quantization_config")
         if quant:
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-            raise UnsupportedCheckpointError(
-                f"quantized checkpoints ({method}) are not supported yet: convert to bf16 or fp32 first"
-            )
-        known = set(cls.__dataclass_fields__)
-        cfg = cls(**{k: v for k, v in raw.items() if k in known and k not in ("rope_parameters",)})
+            if not isinstance(quant, dict):
+                raise UnsupportedCheckpointError(f"quantization_config {quant!r} is not an object")
+            # the published V4 config.json has expert_dtype at the top level; V4.1 moved it inside
+            cfg.quantization_config = QuantConfig.from_dict(quant, raw.get("expert_dtype"))
         if "dtype" in raw and "torch_dtype" not in raw:
             cfg.torch_dtype = str(raw["dtype"])
         n = cfg.num_hidden_layers
@@ -132,7 +186,10 @@ class ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise UnsupportedCheckpointError(f"{path}: no config.json (is this a Hugging Face checkpoint?)")
-        return cls.from_dict(json.loads(config_file.read_text()))
+        try:
+            return cls.from_dict(json.loads(config_file.read_text()))
+        except ValueError as err:  # UnsupportedCheckpointError, or JSON that does not parse
+            raise UnsupportedCheckpointError(f"{config_file}: {err}") from None
 
     def validate(self) -> None:
         n = self.num_hidden_layers
@@ -168,6 +225,10 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"])
+        if self.quantization_config is None:
+            del out["quantization_config"]
+        else:
+            out["quantization_config"] = self.quantization_config.to_dict()
         return out
 
 

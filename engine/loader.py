@@ -1,34 +1,71 @@
-"""Hugging Face safetensors checkpoints: single file or sharded with an index."""
+"""Loading a DeepSeek-V4 checkpoint into the engine's model.
+
+Checkpoints load as DeepSeek publishes them (its own tensor names, FP8 weights with
+128 x 128 block scales, FP4 routed experts, BF16 projections, multi-token-prediction
+modules) and as transformers writes them (its module names, with or without the `model.`
+prefix), from one file or from shards with an index. Everything that can be checked from
+the headers is checked before any weight is read (`plan_weights`), and each problem is an
+error naming the file and the tensor. Quantized weights are dequantized while loading, one
+tensor at a time, so a load holds the finished weights plus the one tensor in hand.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, QuantConfig
 from engine.errors import UnsupportedCheckpointError
 from engine.model import FP32_PARAMETER_SUFFIXES, DeepseekV4ForCausalLM
+from engine.quant import (
+    FP8_DTYPE,
+    SCALE_DTYPES,
+    dequantize_fp4,
+    dequantize_fp8,
+    fp4_scale_shape,
+    fp8_scale_shape,
+)
+from engine.safetensors_files import CheckpointFiles, StoredTensor, checkpoint_files
+from engine.weight_names import EXPERT_PARAMS, EXPERT_PARTS, Target, canonical_name, deepseek_expert_name
 
-# Weights the upstream checkpoints carry for parts this engine does not run (multi-token prediction).
-_IGNORED_PREFIXES = ("mtp.", "model.mtp.")
+logger = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP4_STORAGE = (torch.int8, torch.uint8)
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise UnsupportedCheckpointError(
-        f"{path}: no model.safetensors or model.safetensors.index.json (only safetensors checkpoints load)"
-    )
+@dataclass(frozen=True)
+class Piece:
+    """One stored tensor, with its scale if it is quantized, and where its values go."""
+
+    tensor: StoredTensor
+    scale: StoredTensor | None
+    target: Target
+
+    @property
+    def quantization(self) -> str:
+        if self.tensor.dtype == FP8_DTYPE:
+            return "fp8"
+        return "fp4" if self.tensor.dtype in FP4_STORAGE and self.scale is not None else "none"
+
+    @property
+    def key(self) -> tuple[int | None, int | None]:
+        return self.target.expert, self.target.half
+
+
+@dataclass
+class WeightPlan:
+    """Which stored tensors make each parameter of the model; built and checked from headers only."""
+
+    model: DeepseekV4ForCausalLM  # on the meta device
+    expected: dict[str, torch.Tensor]  # its state dict: names, shapes and dtypes of what to build
+    pieces: dict[str, list[Piece]]  # parameter name -> its pieces (several for per-expert tensors)
+    unused: list[str]  # stored names the engine has no place for
 
 
 def resolve_dtype(config: ModelConfig, dtype: torch.dtype | str | None) -> torch.dtype:
@@ -40,51 +77,203 @@ def resolve_dtype(config: ModelConfig, dtype: torch.dtype | str | None) -> torch
     return _DTYPES[name]
 
 
+def _find_scales(files: CheckpointFiles) -> dict[str, StoredTensor]:
+    """Weight name -> its scale tensor. DeepSeek names a scale `X.scale` beside `X.weight`;
+    transformers names it `X.weight_scale_inv`, or `P_scale_inv` beside a fused parameter `P`."""
+    scales = {}
+    for name, tensor in files.tensors.items():
+        if name.endswith("_scale_inv"):
+            weight = name.removesuffix("_scale_inv")
+        elif name.endswith(".scale") and name.removesuffix("scale") + "weight" in files.tensors:
+            weight = name.removesuffix("scale") + "weight"
+        else:
+            continue
+        if weight in files.tensors:
+            scales[weight] = tensor
+    return scales
+
+
+def plan_weights(files: CheckpointFiles, config: ModelConfig) -> WeightPlan:
+    scales = _find_scales(files)
+    scale_names = {scale.name for scale in scales.values()}
+    targets = {name: canonical_name(name) for name in files.tensors if name not in scale_names}
+    has_mtp = any(target is not None and target.name.startswith("mtp.") for target in targets.values())
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config, config.num_nextn_predict_layers if has_mtp else 0)
+    expected = model.state_dict()
+
+    pieces: dict[str, list[Piece]] = defaultdict(list)
+    unused: list[str] = []
+    for name, target in targets.items():
+        tensor = files.tensors[name]
+        if target is not None and target.name in expected:
+            pieces[target.name].append(Piece(tensor, scales.get(name), target))
+        elif target is None or target.name.startswith("mtp."):
+            unused.append(name)  # named in a warning: nothing the model computes depends on it
+        else:
+            raise UnsupportedCheckpointError(
+                f"{tensor.where()} has no place in the model config.json describes (as {target.name}); "
+                "leaving it out would change the model's output"
+            )
+    if config.tie_word_embeddings and "lm_head.weight" not in pieces and "model.embed_tokens.weight" in pieces:
+        pieces["lm_head.weight"] = pieces["model.embed_tokens.weight"]
+    missing: list[str] = []
+    for name, meta in expected.items():
+        missing += _check_parameter(name, meta, pieces.get(name, []), config)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise UnsupportedCheckpointError(f"{files.path}: missing tensors the model needs: {shown}")
+    return WeightPlan(model, expected, dict(pieces), sorted(unused))
+
+
+def _check_parameter(name: str, meta: torch.Tensor, pieces: list[Piece], config: ModelConfig) -> list[str]:
+    """Checks every piece of one parameter against it; returns the names of missing pieces."""
+    if not pieces:
+        return [name]
+    seen: dict[tuple[int | None, int | None], Piece] = {}
+    for piece in pieces:
+        if piece.key in seen:
+            raise UnsupportedCheckpointError(
+                f"{piece.tensor.where()} and {seen[piece.key].tensor.where()} both hold {name}"
+            )
+        seen[piece.key] = piece
+        _check_piece(piece, _piece_shape(piece.target, tuple(meta.shape)), meta.dtype, config.quantization_config)
+    if (None, None) in seen:
+        if len(seen) > 1:
+            raise UnsupportedCheckpointError(f"{name} is stored both whole and per expert")
+        return []
+    if not name.endswith(EXPERT_PARAMS):
+        return [name]
+    # per-expert tensors: every expert's w1 and w3 (gate_up_proj) or w2 (down_proj)
+    parts = [part for part, (param, _) in EXPERT_PARTS.items() if name.endswith(param)]
+    wanted = [(expert, part) for expert in range(meta.shape[0]) for part in parts]
+    return [deepseek_expert_name(name, e, part) for e, part in wanted if (e, EXPERT_PARTS[part][1]) not in seen]
+
+
+def _piece_shape(target: Target, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if target.expert is None:
+        return shape
+    if target.half is None:
+        return shape[1:]
+    return (shape[1] // 2, *shape[2:])
+
+
+def _check_piece(piece: Piece, shape: tuple[int, ...], dtype: torch.dtype, quant: QuantConfig | None) -> None:
+    stored, scale = piece.tensor, piece.scale
+    where = stored.where()
+    is_expert = piece.target.name.endswith(EXPERT_PARAMS)
+    if stored.dtype == FP8_DTYPE or (stored.dtype in FP4_STORAGE and dtype.is_floating_point):
+        kind = "FP8" if stored.dtype == FP8_DTYPE else "FP4 (packed int8)"
+        if quant is None:
+            raise UnsupportedCheckpointError(f"{where} is {kind} but config.json has no quantization_config")
+        if scale is None:
+            raise UnsupportedCheckpointError(f"{where} is {kind} but has no scale (.scale or .weight_scale_inv)")
+        if scale.dtype not in SCALE_DTYPES:
+            raise UnsupportedCheckpointError(f"{scale.where()} is {scale.dtype}, not a scale dtype")
+        if stored.dtype == FP8_DTYPE:
+            stored_shape, scale_shape = shape, fp8_scale_shape(shape, quant.weight_block_size)
+        else:
+            if not is_expert or quant.expert_dtype != "fp4":
+                raise UnsupportedCheckpointError(
+                    f"{where} is {stored.dtype}: only routed experts may be FP4, with expert_dtype fp4 in config.json"
+                )
+            stored_shape, scale_shape = (*shape[:-1], shape[-1] // 2), fp4_scale_shape(shape)
+        if scale.shape != scale_shape:
+            raise UnsupportedCheckpointError(
+                f"{scale.where()} has shape {list(scale.shape)}; {list(scale_shape)} expected for {kind} "
+                f"weight {stored.name} of shape {list(shape)}"
+            )
+    else:
+        if scale is not None:
+            raise UnsupportedCheckpointError(f"{where} is {stored.dtype} but has a scale ({scale.name})")
+        if stored.dtype.is_floating_point != dtype.is_floating_point or stored.dtype == torch.bool:
+            raise UnsupportedCheckpointError(f"{where} is {stored.dtype}; {dtype} values expected")
+        stored_shape = shape
+    if stored.shape != stored_shape:
+        raise UnsupportedCheckpointError(
+            f"{where} has shape {list(stored.shape)}; config.json makes it {list(stored_shape)}"
+        )
+
+
+def _read_piece(
+    files: CheckpointFiles, piece: Piece, dtype: torch.dtype, device: torch.device, quant: QuantConfig | None
+) -> torch.Tensor:
+    values = files.read(piece.tensor).to(device)
+    if piece.scale is None:
+        return values.to(dtype)
+    scale = files.read(piece.scale).to(device)
+    if piece.quantization == "fp8":
+        return dequantize_fp8(values, scale, quant.weight_block_size, dtype)
+    return dequantize_fp4(values, scale, dtype)
+
+
+def _build_parameter(
+    files: CheckpointFiles,
+    name: str,
+    meta: torch.Tensor,
+    pieces: list[Piece],
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantConfig | None,
+) -> torch.Tensor:
+    if not meta.dtype.is_floating_point:
+        dtype = meta.dtype
+    elif name.endswith(FP32_PARAMETER_SUFFIXES):
+        dtype = torch.float32
+    if len(pieces) == 1 and pieces[0].target.expert is None:
+        return _read_piece(files, pieces[0], dtype, device, quant)
+    out = torch.empty(meta.shape, dtype=dtype, device=device)
+    for piece in pieces:
+        rows = out[piece.target.expert]
+        if piece.target.half is not None:
+            rows = rows.chunk(2)[piece.target.half]
+        rows.copy_(_read_piece(files, piece, dtype, device, quant))
+    return out
+
+
+def _check_values(name: str, tensor: torch.Tensor, config: ModelConfig) -> None:
+    if name.endswith("tid2eid") and tensor.numel():
+        low, high = tensor.min().item(), tensor.max().item()
+        if low < 0 or high >= config.n_routed_experts:
+            raise UnsupportedCheckpointError(
+                f"{name}: expert ids from {low} to {high}, outside 0..{config.n_routed_experts - 1}"
+            )
+
+
 def load_model(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
 ) -> DeepseekV4ForCausalLM:
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(config, dtype)
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config)
-    expected = model.state_dict()
-    loaded: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if name.startswith(_IGNORED_PREFIXES):
-                    continue
-                if name.endswith(("weight_scale_inv", ".scale_inv", "input_scale")):
-                    raise UnsupportedCheckpointError(
-                        f"{file.name}: {name} is a quantization scale; FP8 is not supported"
-                    )
-                tensor = f.get_tensor(name)
-                if tensor.dtype.is_floating_point and tensor.element_size() == 1:
-                    raise UnsupportedCheckpointError(f"{file.name}: {name} is {tensor.dtype}; FP8 is not supported")
-                loaded[name] = tensor
-    if config.tie_word_embeddings and "lm_head.weight" not in loaded and "model.embed_tokens.weight" in loaded:
-        loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
-    missing = sorted(set(expected) - set(loaded))
-    unexpected = sorted(set(loaded) - set(expected))
-    if missing or unexpected:
-        raise UnsupportedCheckpointError(
-            f"{path}: checkpoint does not match the DeepSeek-V4 architecture; "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    for name, tensor in loaded.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise UnsupportedCheckpointError(
-                f"{name}: shape {tuple(tensor.shape)} in checkpoint, {tuple(expected[name].shape)} expected by config"
-            )
-        if tensor.dtype.is_floating_point:
-            target = torch.float32 if name.endswith(FP32_PARAMETER_SUFFIXES) else dtype
-            loaded[name] = tensor.to(device=device, dtype=target)
-        else:
-            loaded[name] = tensor.to(device=device, dtype=expected[name].dtype)
-    model.load_state_dict(loaded, assign=True)
+    device = torch.device(device)
+    with CheckpointFiles(path) as files:
+        plan = plan_weights(files, config)
+        weights = {}
+        for name, meta in plan.expected.items():
+            pieces = plan.pieces[name]
+            weights[name] = _build_parameter(files, name, meta, pieces, dtype, device, config.quantization_config)
+            _check_values(name, weights[name], config)
+    model = plan.model
+    model.load_state_dict(weights, assign=True)
+    if plan.unused or len(model.mtp):
+        logger.warning("%s: %s", path, unused_summary(plan))
     return model.eval()
+
+
+def unused_summary(plan: WeightPlan) -> str:
+    """One line naming what the checkpoint holds that generation does not use."""
+    parts = []
+    if len(plan.model.mtp):
+        count = sum(len(pieces) for name, pieces in plan.pieces.items() if name.startswith("mtp."))
+        parts.append(
+            f"{len(plan.model.mtp)} multi-token-prediction module(s) (mtp.*, {count} tensors) "
+            "loaded for speculative decoding, not used for generation yet"
+        )
+    if plan.unused:
+        shown = ", ".join(plan.unused[:10]) + (f" and {len(plan.unused) - 10} more" if len(plan.unused) > 10 else "")
+        parts.append(f"ignored, no place in the model: {shown}")
+    return "; ".join(parts)
 
 
 def weights_id(path: str | Path) -> str:

@@ -14,11 +14,18 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
-from engine.config import CSA, HCA, SLIDING, ModelConfig
-from engine.model import FP32_PARAMETER_SUFFIXES, DeepseekV4ForCausalLM
+from engine.config import CSA, HCA, SLIDING, ModelConfig, QuantConfig
+from engine.model import FP32_PARAMETER_SUFFIXES, DeepseekV4ForCausalLM, Experts
+from engine.quant import quantize_fp4, quantize_fp8
+from engine.safetensors_files import INDEX_FILE, SINGLE_FILE
+from engine.weight_names import EXPERT_PARAMS, deepseek_expert_name, deepseek_name
 
 TOKENIZER_VOCAB = 129280
+LAYOUTS = ("transformers", "deepseek")
+PUBLISHED_FP32 = tuple(suffix for suffix in FP32_PARAMETER_SUFFIXES if not suffix.endswith("norm.weight"))
+QUANTS = ("none", "fp8", "fp8-fp4")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # every attention and MoE kind, small enough for CI to run in seconds
@@ -72,14 +79,15 @@ def preset_config(preset: str, **overrides: Any) -> dict[str, Any]:
     return {"vocab_size": TOKENIZER_VOCAB, "torch_dtype": "float32", **PRESETS[preset], **overrides}
 
 
-def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Weights drawn from a seeded generator in name order, so a seed always gives the same model."""
+def random_state_dict(config: ModelConfig, seed: int, mtp_modules: int = 0) -> dict[str, torch.Tensor]:
+    """Weights drawn from a seeded generator in name order, so a seed always gives the same model
+    (the main model's weights first: adding MTP modules does not change them)."""
     with torch.device("meta"):
-        shapes = {name: (t.shape, t.dtype) for name, t in DeepseekV4ForCausalLM(config).state_dict().items()}
+        meta = DeepseekV4ForCausalLM(config, mtp_modules).state_dict()
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes):
-        shape, dtype = shapes[name]
+    for name in sorted(meta, key=lambda name: (name.startswith("mtp."), name)):
+        shape, dtype = meta[name].shape, meta[name].dtype
         if name.endswith("tid2eid"):
             # each token goes to num_experts_per_tok distinct experts
             noise = torch.rand(shape[0], config.n_routed_experts, generator=gen)
@@ -96,24 +104,126 @@ def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]
     return out
 
 
-def write_checkpoint(outdir: str | Path, config_dict: dict[str, Any], seed: int = 0) -> Path:
-    """Write config.json, model.safetensors and tokenizer files; returns the directory."""
+def quantized_weights(model: DeepseekV4ForCausalLM) -> set[str]:
+    """What the published checkpoints store in FP8 (or FP4, for routed experts): every linear
+    projection but the output head and the compressors' and indexer's projections, which
+    DeepSeek-V4-Flash leaves in BF16; and the routed experts."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, Experts):
+            names |= {f"{module_name}.gate_up_proj", f"{module_name}.down_proj"}
+        elif isinstance(module, nn.Linear) and module_name != "lm_head" and ".compressor." not in module_name:
+            names.add(f"{module_name}.weight")
+    return names
+
+
+def _stored_tensors(
+    state: dict[str, torch.Tensor], quantized: set[str], quant: QuantConfig | None, layout: str
+) -> dict[str, torch.Tensor]:
+    """The engine's weights as a checkpoint of this layout stores them: names, FP8/FP4 values and scales."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        how = "none"
+        if quant is not None and name in quantized:
+            how = "fp4" if quant.expert_dtype == "fp4" and name.endswith(EXPERT_PARAMS) else "fp8"
+        for stored, scale, values in _layout_names(name, tensor, layout):
+            if how == "none":
+                out[stored] = values
+            elif how == "fp4":
+                out[stored], out[scale] = quantize_fp4(values, quant.scale_fmt)
+            else:
+                out[stored], out[scale] = quantize_fp8(values, quant.weight_block_size, quant.scale_fmt)
+    return out
+
+
+def _layout_names(name: str, tensor: torch.Tensor, layout: str) -> list[tuple[str, str, torch.Tensor]]:
+    """(stored name, its scale's name, values) of one engine parameter in a checkpoint layout."""
+    if layout == "transformers":
+        scale = name.removesuffix("weight") + "weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+        return [(name, scale, tensor)]
+    if name.endswith(EXPERT_PARAMS):  # DeepSeek stores w1 (gate), w3 (up) and w2 (down) per expert
+        parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+        pieces = []
+        for expert in range(tensor.shape[0]):
+            for part, rows in zip(parts, tensor[expert].chunk(len(parts)), strict=True):
+                stored = deepseek_expert_name(name, expert, part)
+                pieces.append((stored, stored.removesuffix("weight") + "scale", rows.contiguous()))
+        return pieces
+    stored = deepseek_name(name)
+    return [(stored, stored.removesuffix("weight") + "scale", tensor)]
+
+
+def write_checkpoint(
+    outdir: str | Path,
+    config_dict: dict[str, Any],
+    seed: int = 0,
+    *,
+    layout: str = "transformers",
+    quant: str = "none",
+    scale_fmt: str = "ue8m0",
+    shards: int = 1,
+) -> Path:
+    """Write config.json, the weights and the tokenizer files; returns the directory.
+
+    layout: "transformers" (transformers' module names, fused experts) or "deepseek" (the
+    published checkpoints' names, one tensor per expert, multi-token-prediction modules).
+    quant: "none", "fp8" (block-scaled FP8 projections and experts) or "fp8-fp4" (FP4
+    experts), with the rest in bf16 and the compressors' projections unquantized, as in
+    DeepSeek-V4-Flash; scale_fmt: "float" or "ue8m0" scales.
+    """
+    if layout not in LAYOUTS or quant not in QUANTS or scale_fmt not in ("float", "ue8m0"):
+        raise ValueError(f"layout {layout!r}, quant {quant!r}, scale_fmt {scale_fmt!r}: see deepmesh make-model --help")
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     config = ModelConfig.from_dict(config_dict)
+    if quant != "none":
+        config.torch_dtype = "bfloat16"
+        config.quantization_config = QuantConfig(
+            scale_fmt=scale_fmt, expert_dtype="fp4" if quant == "fp8-fp4" else "fp8"
+        )
+    mtp_modules = config.num_nextn_predict_layers if layout == "deepseek" else 0
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.torch_dtype]
-    state = random_state_dict(config, seed)
+    # transformers saves the parameters it computes in fp32 as fp32; the published checkpoints
+    # store norms in the checkpoint dtype (the engine upcasts them at load either way)
+    kept_fp32 = FP32_PARAMETER_SUFFIXES if layout == "transformers" else PUBLISHED_FP32
     state = {
-        name: t.to(dtype) if t.is_floating_point() and not name.endswith(FP32_PARAMETER_SUFFIXES) else t
-        for name, t in state.items()
+        name: t.to(dtype) if t.is_floating_point() and not name.endswith(kept_fp32) else t
+        for name, t in random_state_dict(config, seed, mtp_modules).items()
     }
-    save_file(state, str(outdir / "model.safetensors"), metadata={"format": "pt"})
-    (outdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    with torch.device("meta"):
+        quantized = quantized_weights(DeepseekV4ForCausalLM(config, mtp_modules))
+    _save_shards(_stored_tensors(state, quantized, config.quantization_config, layout), outdir, shards)
+
+    config_json = config.to_dict()
+    if layout == "deepseek" and config.quantization_config is not None:
+        # the published V4 config.json has expert_dtype beside quantization_config, not in it
+        config_json["expert_dtype"] = config_json["quantization_config"].pop("expert_dtype")
+    (outdir / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
     (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if config.vocab_size == TOKENIZER_VOCAB:
         copy_tokenizer(outdir)
     return outdir
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], outdir: Path, shards: int) -> None:
+    """One model.safetensors, or `shards` files of about equal size with a model.safetensors.index.json."""
+    if shards <= 1:
+        save_file(tensors, str(outdir / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(shards)]
+    written = 0
+    for name in sorted(tensors):
+        groups[min(shards - 1, written * shards // max(total, 1))][name] = tensors[name]
+        written += tensors[name].numel() * tensors[name].element_size()
+    weight_map = {}
+    for i, group in enumerate(groups, start=1):
+        file = f"model-{i:05d}-of-{shards:05d}.safetensors"
+        save_file(group, str(outdir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (outdir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def copy_tokenizer(outdir: Path) -> None:
@@ -124,5 +234,6 @@ def copy_tokenizer(outdir: Path) -> None:
         shutil.copyfile(source / name, outdir / name)
 
 
-def make_model(outdir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    return write_checkpoint(outdir, preset_config(preset), seed)
+def make_model(outdir: str | Path, preset: str = "tiny", seed: int = 0, **layout: Any) -> Path:
+    """A preset as a checkpoint; `layout` takes write_checkpoint's layout, quant, scale_fmt and shards."""
+    return write_checkpoint(outdir, preset_config(preset), seed, **layout)

@@ -13,7 +13,7 @@ sequences for decode and runs per sequence chunk for prefill.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -564,6 +564,24 @@ def expand_and_mix(post: torch.Tensor, out: torch.Tensor, comb: torch.Tensor, st
     return torch.baddbmm(spread, comb.to(dtype).transpose(-1, -2), streams)
 
 
+class MultiTokenPrediction(DecoderLayer):
+    """A multi-token-prediction module of the published checkpoints (`mtp.N.*`): a sliding-window
+    decoder layer fed with the next token's embedding (e_proj) and the main model's last streams
+    (h_proj), with a head of its own; embedding and output projection are the main model's.
+    Loaded and kept for speculative decoding; generation does not run it yet."""
+
+    def __init__(self, config: ModelConfig, rotary: dict[str, RotaryEmbedding]):
+        block = replace(config, num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"])
+        super().__init__(block, 0, rotary)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.hc_head = HyperHead(config)
+        self.norm = RMSNorm(d, eps)
+
+
 class DeepseekV4Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -587,12 +605,13 @@ class DeepseekV4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, mtp_modules: int = 0):
         super().__init__()
         self.config = config
         self.model = DeepseekV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.backend = TorchBackend()
+        self.mtp = nn.ModuleList(MultiTokenPrediction(config, self.model.rotary) for _ in range(mtp_modules))
 
     def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the step."""

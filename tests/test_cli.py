@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from engine.make_model import TOKENIZER_VOCAB
@@ -47,6 +48,51 @@ def test_make_model_is_deterministic(tiny_preset, tmp_path):
     assert deepmesh("make-model", str(other), "--preset", "tiny", "--seed", "8").returncode == 0
     assert _digest(again) == _digest(tiny_preset)
     assert _digest(other) != _digest(tiny_preset)
+
+
+def test_make_model_writes_the_published_layout_and_inspect_reads_it(tmp_path):
+    path = tmp_path / "published"
+    made = deepmesh("make-model", str(path), "--format", "deepseek", "--quant", "fp8-fp4", "--shards", "2")
+    assert made.returncode == 0, made.stderr
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    dtypes = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(path / file), framework="pt") as f:
+            dtypes.update({name: f.get_slice(name).get_dtype() for name in f.keys()})  # noqa: SIM118
+    assert dtypes["layers.0.attn.wq_a.weight"] == "F8_E4M3" and dtypes["layers.0.attn.wq_a.scale"] == "F8_E8M0"
+    assert dtypes["layers.1.ffn.experts.7.w2.weight"] == "I8" and dtypes["layers.1.ffn.experts.7.w2.scale"] == "F8_E8M0"
+    assert dtypes["layers.0.attn.compressor.wkv.weight"] == "BF16" and dtypes["embed.weight"] == "BF16"
+    assert dtypes["hc_head_fn"] == "F32" and dtypes["layers.0.attn.attn_sink"] == "F32"
+    assert dtypes["mtp.0.e_proj.weight"] == "F8_E4M3"
+    config = json.loads((path / "config.json").read_text())
+    assert config["expert_dtype"] == "fp4"
+    assert config["quantization_config"] == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "scale_fmt": "ue8m0",
+    }
+
+    shown = deepmesh("inspect", str(path))
+    assert shown.returncode == 0, shown.stderr
+    for expected in (
+        "DeepSeek's",
+        "fp4-e2m1 (ue8m0 scale per 32)",
+        "multi-token prediction",
+        "B/token",
+        "can serve       yes",
+    ):
+        assert expected in shown.stdout, expected
+    generated = deepmesh("generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "4")
+    assert generated.returncode == 0, generated.stderr
+
+    config["model_type"] = "deepseek_v41"
+    (path / "config.json").write_text(json.dumps(config))
+    shown = deepmesh("inspect", str(path))
+    assert shown.returncode == 1
+    assert (
+        "can serve       no: " in shown.stdout and "DeepSeek-V4.1" in shown.stdout and "Traceback" not in shown.stderr
+    )
 
 
 def test_generate_prints_text_and_speed(tiny_preset):

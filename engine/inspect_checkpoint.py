@@ -1,0 +1,235 @@
+"""`deepmesh inspect PATH`: what a checkpoint holds and whether this engine can serve it.
+
+Everything here comes from config.json and the safetensors headers; no weight is read, so
+a checkpoint of any size is inspected in seconds. The checks are the loader's own
+(`plan_weights`): a checkpoint reported servable is one `LLMEngine.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import UnsupportedCheckpointError
+from engine.loader import Piece, WeightPlan, plan_weights, resolve_dtype, unused_summary
+from engine.model import FP32_PARAMETER_SUFFIXES
+from engine.safetensors_files import CheckpointFiles, StoredTensor
+from engine.state_cache import StateLayout
+from engine.weight_names import EXPERT_PARAMS
+
+_SHORT_DTYPES = {
+    torch.float32: "f32",
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float8_e4m3fn: "fp8-e4m3",
+    torch.float8_e8m0fnu: "e8m0",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+}
+
+# tensor groups, first match wins: (label, test on the engine name)
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("multi-token prediction", ("mtp.",)),
+    ("embedding", ("embed_tokens",)),
+    ("output head", ("lm_head",)),
+    ("routed experts", EXPERT_PARAMS),
+    ("shared experts", (".shared_experts.",)),
+    ("router", (".mlp.gate.",)),
+    ("compressors, indexer", (".compressor.",)),
+    ("hyper-connections", ("attn_hc.", "ffn_hc.", "hc_head.")),
+    ("norms", ("norm.weight", "layernorm.weight")),
+    ("attention", (".self_attn.",)),
+)
+
+
+@dataclass
+class TensorGroup:
+    tensors: int = 0
+    parameters: int = 0
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    stored_as: set[str] = field(default_factory=set)
+    loaded_as: set[str] = field(default_factory=set)
+
+
+@dataclass
+class CheckpointReport:
+    path: Path
+    files: int
+    bytes_on_disk: int
+    stored_dtypes: Counter  # short dtype name -> tensors
+    servable: bool
+    reason: str = ""  # why not, when not servable
+    config: ModelConfig | None = None
+    names: str = ""  # which naming the tensors use
+    groups: dict[str, TensorGroup] = field(default_factory=dict)
+    total_parameters: int = 0  # the main model (MTP modules apart)
+    active_parameters: int = 0
+    mtp_parameters: int = 0
+    loaded_dtype: torch.dtype | None = None
+    device: str = "cpu"
+    unused: str = ""
+
+    @property
+    def loaded_bytes(self) -> int:
+        return sum(group.loaded_bytes for group in self.groups.values())
+
+
+def _group(name: str) -> str:
+    for label, needles in GROUPS:
+        if any(needle in name for needle in needles):
+            return label
+    return "other"
+
+
+def _stored_as(piece: Piece, quant_block: tuple[int, int] | None) -> str:
+    if piece.quantization == "none":
+        return _SHORT_DTYPES.get(piece.tensor.dtype, str(piece.tensor.dtype))
+    scale = piece.scale.dtype
+    scale_kind = "ue8m0" if scale in (torch.float8_e8m0fnu, torch.uint8) else _SHORT_DTYPES.get(scale, str(scale))
+    if piece.quantization == "fp8":
+        return f"fp8-e4m3 ({scale_kind} scale per {quant_block[0]}x{quant_block[1]})"
+    return f"fp4-e2m1 ({scale_kind} scale per 32)"
+
+
+def _naming(plan: WeightPlan) -> str:
+    stored = [piece.tensor.name for pieces in plan.pieces.values() for piece in pieces]
+    prefixed = sum(name.startswith("model.") for name in stored)
+    renamed = sum(piece.tensor.name != name for name, pieces in plan.pieces.items() for piece in pieces)
+    deepseek = renamed > len(stored) // 2
+    kind = "DeepSeek's (embed, layers.N.attn.wq_a, ...)" if deepseek else "transformers' module names"
+    if prefixed and deepseek:
+        kind = "DeepSeek's under a model. prefix (as transformers' save_pretrained writes)"
+    return kind
+
+
+def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str | None = None) -> CheckpointReport:
+    path = Path(path)
+    try:
+        files = CheckpointFiles(path)
+    except UnsupportedCheckpointError as err:
+        return CheckpointReport(path, 0, 0, Counter(), False, str(err))
+    report = CheckpointReport(
+        path,
+        len(files.files),
+        files.bytes_on_disk(),
+        Counter(_SHORT_DTYPES.get(t.dtype, str(t.dtype)) for t in files.tensors.values()),
+        servable=False,
+        device=device,
+    )
+    try:
+        report.config = config = ModelConfig.from_pretrained(path)
+        report.loaded_dtype = resolve_dtype(config, dtype)
+        plan = plan_weights(files, config)
+    except UnsupportedCheckpointError as err:
+        report.reason = str(err)
+        return report
+    report.servable = True
+    report.names = _naming(plan)
+    report.unused = unused_summary(plan)
+    block = config.quantization_config.weight_block_size if config.quantization_config else None
+    groups: dict[str, TensorGroup] = defaultdict(TensorGroup)
+    expected = plan.expected
+    for name, meta in expected.items():
+        group = groups[_group(name)]
+        loaded = torch.float32 if name.endswith(FP32_PARAMETER_SUFFIXES) else report.loaded_dtype
+        loaded = loaded if meta.dtype.is_floating_point else meta.dtype
+        group.parameters += meta.numel()
+        group.loaded_bytes += meta.numel() * loaded.itemsize
+        group.loaded_as.add(_SHORT_DTYPES.get(loaded, str(loaded)))
+        for piece in plan.pieces[name]:
+            group.tensors += 1
+            stored: list[StoredTensor] = [piece.tensor] + ([piece.scale] if piece.scale else [])
+            group.stored_bytes += sum(t.nbytes for t in stored)
+            group.stored_as.add(_stored_as(piece, block))
+    report.groups = dict(sorted(groups.items(), key=lambda item: -item[1].loaded_bytes))
+    report.mtp_parameters = groups["multi-token prediction"].parameters if "multi-token prediction" in groups else 0
+    report.total_parameters = sum(g.parameters for g in groups.values()) - report.mtp_parameters
+    idle_experts = 1 - config.num_experts_per_tok / config.n_routed_experts
+    routed = groups["routed experts"].parameters if "routed experts" in groups else 0
+    embedding = groups["embedding"].parameters if "embedding" in groups else 0
+    # a token uses its k routed experts of each layer and one row of the embedding table
+    report.active_parameters = int(report.total_parameters - routed * idle_experts - embedding + config.hidden_size)
+    return report
+
+
+def _human(count: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if count >= scale:
+            return f"{count / scale:.2f} {suffix}{unit}"
+    return f"{count:.0f} {unit}".rstrip()
+
+
+def _layer_summary(config: ModelConfig) -> str:
+    short = {
+        "sliding_attention": "sliding",
+        "compressed_sparse_attention": "CSA",
+        "heavily_compressed_attention": "HCA",
+    }
+    kinds = Counter(short[t] for t in config.layer_types)
+    moe = Counter(config.mlp_layer_types)
+    attention = ", ".join(f"{n} {k}" for k, n in kinds.items())
+    routers = f"{moe['hash_moe']} hash-routed MoE, {moe['moe']} learned-router MoE"
+    return f"{config.num_hidden_layers} layers ({attention}; {routers})"
+
+
+def render(report: CheckpointReport) -> str:
+    lines = [f"checkpoint      {report.path}"]
+    lines.append(f"files           {report.files} safetensors file(s), {_human(report.bytes_on_disk, 'B')} on disk")
+    config = report.config
+    if config is not None:
+        lines.append(f"architecture    DeepSeek-V4 (deepseek_v4): {_layer_summary(config)}")
+        lines.append(
+            f"                hidden {config.hidden_size}, {config.num_attention_heads} heads of {config.head_dim}, "
+            f"window {config.sliding_window}, {config.n_routed_experts} routed experts "
+            f"({config.num_experts_per_tok} per token) + {config.n_shared_experts} shared, vocab {config.vocab_size}"
+        )
+        quant = config.quantization_config
+        if quant is None:
+            lines.append(f"quantization    none (stored {config.torch_dtype})")
+        else:
+            lines.append(
+                f"quantization    fp8 e4m3, {quant.weight_block_size[0]}x{quant.weight_block_size[1]} blocks, "
+                f"{quant.scale_fmt} scales; routed experts {quant.expert_dtype}"
+            )
+    if not report.servable:
+        dtypes = ", ".join(f"{n} {d}" for d, n in report.stored_dtypes.most_common())
+        if dtypes:
+            lines.append(f"tensors         {sum(report.stored_dtypes.values())} ({dtypes})")
+        lines.append(f"can serve       no: {report.reason}")
+        return "\n".join(lines)
+    lines.append(f"tensor names    {report.names}")
+    lines.append(
+        f"parameters      {_human(report.total_parameters)} total, {_human(report.active_parameters)} active per token"
+        + (f"; multi-token prediction {_human(report.mtp_parameters)} more" if report.mtp_parameters else "")
+    )
+    lines.append("")
+    lines.append(f"{'group':<24}{'tensors':>8}{'params':>12}{'on disk':>12}{'loaded':>12}  stored as -> loaded as")
+    for label, group in report.groups.items():
+        lines.append(
+            f"{label:<24}{group.tensors:>8}{_human(group.parameters):>12}{_human(group.stored_bytes, 'B'):>12}"
+            f"{_human(group.loaded_bytes, 'B'):>12}  {', '.join(sorted(group.stored_as))} -> "
+            f"{', '.join(sorted(group.loaded_as))}"
+        )
+    lines.append("")
+    lines.append(
+        f"loaded on {report.device:<6}{_human(report.loaded_bytes, 'B')} "
+        f"({_SHORT_DTYPES[report.loaded_dtype]}; fp32 where the reference keeps it)"
+    )
+    layout = StateLayout(config, report.loaded_dtype)
+    per_token = {n: layout.allocated_bytes(n) / n for n in (4096, 65536) if n <= config.max_position_embeddings}
+    lines.append(
+        "state           "
+        + ", ".join(f"{b:,.1f} B/token at {n // 1024}K tokens" for n, b in per_token.items())
+        + f" ({_human(layout.block_bytes, 'B')} per 128-token block + {_human(layout.slot_bytes, 'B')} per sequence)"
+    )
+    if report.unused:
+        lines.append(f"not used        {report.unused}")
+    lines.append("can serve       yes")
+    return "\n".join(lines)
