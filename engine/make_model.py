@@ -104,15 +104,25 @@ def random_state_dict(config: ModelConfig, seed: int, mtp_modules: int = 0) -> d
     return out
 
 
+# The projections DeepSeek-V4-Flash stores in BF16 (transformers lists the same modules to keep
+# out of FP8): the compressors' and the indexer's pooling projections and its head weights.
+UNQUANTIZED_PROJECTIONS = (
+    "compressor.kv_proj",
+    "compressor.gate_proj",
+    "indexer.kv_proj",
+    "indexer.gate_proj",
+    "scorer.weights_proj",
+)
+
+
 def quantized_weights(model: DeepseekV4ForCausalLM) -> set[str]:
     """What the published checkpoints store in FP8 (or FP4, for routed experts): every linear
-    projection but the output head and the compressors' and indexer's projections, which
-    DeepSeek-V4-Flash leaves in BF16; and the routed experts."""
+    projection but the output head and the unquantized projections above; and the routed experts."""
     names = set()
     for module_name, module in model.named_modules():
         if isinstance(module, Experts):
             names |= {f"{module_name}.gate_up_proj", f"{module_name}.down_proj"}
-        elif isinstance(module, nn.Linear) and module_name != "lm_head" and ".compressor." not in module_name:
+        elif isinstance(module, nn.Linear) and not module_name.endswith(("lm_head", *UNQUANTIZED_PROJECTIONS)):
             names.add(f"{module_name}.weight")
     return names
 

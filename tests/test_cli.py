@@ -62,6 +62,8 @@ def test_make_model_writes_the_published_layout_and_inspect_reads_it(tmp_path):
     assert dtypes["layers.0.attn.wq_a.weight"] == "F8_E4M3" and dtypes["layers.0.attn.wq_a.scale"] == "F8_E8M0"
     assert dtypes["layers.1.ffn.experts.7.w2.weight"] == "I8" and dtypes["layers.1.ffn.experts.7.w2.scale"] == "F8_E8M0"
     assert dtypes["layers.0.attn.compressor.wkv.weight"] == "BF16" and dtypes["embed.weight"] == "BF16"
+    assert dtypes["layers.1.attn.indexer.weights_proj.weight"] == "BF16"
+    assert dtypes["layers.1.attn.indexer.wq_b.weight"] == "F8_E4M3"
     assert dtypes["hc_head_fn"] == "F32" and dtypes["layers.0.attn.attn_sink"] == "F32"
     assert dtypes["mtp.0.e_proj.weight"] == "F8_E4M3"
     config = json.loads((path / "config.json").read_text())
