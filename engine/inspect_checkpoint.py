@@ -15,8 +15,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import UnsupportedCheckpointError
-from engine.loader import Piece, WeightPlan, plan_weights, resolve_dtype, unused_summary
-from engine.model import FP32_PARAMETER_SUFFIXES
+from engine.loader import Piece, WeightPlan, parameter_dtype, plan_weights, resolve_dtype, unused_summary
 from engine.safetensors_files import CheckpointFiles, StoredTensor
 from engine.state_cache import StateLayout
 from engine.weight_names import EXPERT_PARAMS
@@ -73,7 +72,6 @@ class CheckpointReport:
     active_parameters: int = 0
     mtp_parameters: int = 0
     loaded_dtype: torch.dtype | None = None
-    device: str = "cpu"
     unused: str = ""
 
     @property
@@ -109,7 +107,7 @@ def _naming(plan: WeightPlan) -> str:
     return kind
 
 
-def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str | None = None) -> CheckpointReport:
+def inspect_checkpoint(path: str | Path, dtype: str | None = None) -> CheckpointReport:
     path = Path(path)
     try:
         files = CheckpointFiles(path)
@@ -121,7 +119,6 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str | None 
         files.bytes_on_disk(),
         Counter(_SHORT_DTYPES.get(t.dtype, str(t.dtype)) for t in files.tensors.values()),
         servable=False,
-        device=device,
     )
     try:
         report.config = config = ModelConfig.from_pretrained(path)
@@ -138,8 +135,7 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str | None 
     expected = plan.expected
     for name, meta in expected.items():
         group = groups[_group(name)]
-        loaded = torch.float32 if name.endswith(FP32_PARAMETER_SUFFIXES) else report.loaded_dtype
-        loaded = loaded if meta.dtype.is_floating_point else meta.dtype
+        loaded = parameter_dtype(name, meta, report.loaded_dtype)
         group.parameters += meta.numel()
         group.loaded_bytes += meta.numel() * loaded.itemsize
         group.loaded_as.add(_SHORT_DTYPES.get(loaded, str(loaded)))
@@ -149,11 +145,11 @@ def inspect_checkpoint(path: str | Path, device: str = "cpu", dtype: str | None 
             group.stored_bytes += sum(t.nbytes for t in stored)
             group.stored_as.add(_stored_as(piece, block))
     report.groups = dict(sorted(groups.items(), key=lambda item: -item[1].loaded_bytes))
-    report.mtp_parameters = groups["multi-token prediction"].parameters if "multi-token prediction" in groups else 0
+    report.mtp_parameters = report.groups.get("multi-token prediction", TensorGroup()).parameters
     report.total_parameters = sum(g.parameters for g in groups.values()) - report.mtp_parameters
     idle_experts = 1 - config.num_experts_per_tok / config.n_routed_experts
-    routed = groups["routed experts"].parameters if "routed experts" in groups else 0
-    embedding = groups["embedding"].parameters if "embedding" in groups else 0
+    routed = report.groups.get("routed experts", TensorGroup()).parameters
+    embedding = report.groups.get("embedding", TensorGroup()).parameters
     # a token uses its k routed experts of each layer and one row of the embedding table
     report.active_parameters = int(report.total_parameters - routed * idle_experts - embedding + config.hidden_size)
     return report
@@ -219,7 +215,7 @@ def render(report: CheckpointReport) -> str:
         )
     lines.append("")
     lines.append(
-        f"loaded on {report.device:<6}{_human(report.loaded_bytes, 'B')} "
+        f"loaded          {_human(report.loaded_bytes, 'B')} on any device "
         f"({_SHORT_DTYPES[report.loaded_dtype]}; fp32 where the reference keeps it)"
     )
     layout = StateLayout(config, report.loaded_dtype)

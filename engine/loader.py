@@ -195,6 +195,14 @@ def _check_piece(piece: Piece, shape: tuple[int, ...], dtype: torch.dtype, quant
         )
 
 
+def parameter_dtype(name: str, meta: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """What a parameter is loaded as: the load dtype, but fp32 where the reference keeps it and
+    integers (the hash-routing table) as they are."""
+    if not meta.dtype.is_floating_point:
+        return meta.dtype
+    return torch.float32 if name.endswith(FP32_PARAMETER_SUFFIXES) else dtype
+
+
 def _read_piece(
     files: CheckpointFiles, piece: Piece, dtype: torch.dtype, device: torch.device, quant: QuantConfig | None
 ) -> torch.Tensor:
@@ -216,10 +224,7 @@ def _build_parameter(
     device: torch.device,
     quant: QuantConfig | None,
 ) -> torch.Tensor:
-    if not meta.dtype.is_floating_point:
-        dtype = meta.dtype
-    elif name.endswith(FP32_PARAMETER_SUFFIXES):
-        dtype = torch.float32
+    dtype = parameter_dtype(name, meta, dtype)
     if len(pieces) == 1 and pieces[0].target.expert is None:
         return _read_piece(files, pieces[0], dtype, device, quant)
     out = torch.empty(meta.shape, dtype=dtype, device=device)
