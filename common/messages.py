@@ -1,8 +1,10 @@
 """Versioned message envelopes: what every record on a deepmesh topic carries.
 
 A record's value is one JSON `Envelope`; its key is the job id; W3C trace context travels
-in the record headers, not in the body. `seq` numbers a job's messages of one `type`, so
-(job_id, type, seq) names an effect and a consumer that sees it twice can tell.
+in the record headers, not in the body. On `tokens` and `results`, which carry a job's
+stream of token ids or protocol events, `seq` is the index of the message's first item in
+that stream: a consumer skips what it has and sees a gap, however a replay regroups the
+stream (common/job_streams.py). Elsewhere a job has one message of a type and seq is 0.
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ class JobStart(BaseModel):
 
 
 class TokensPayload(BaseModel):
-    """`tokens`: generated token ids of one job; seq 0 carries `start`."""
+    """`tokens`: generated token ids of one job, the envelope's seq being the index of the first;
+    seq 0 carries `start` and prefill's token."""
 
     start: JobStart | None = None
     token_ids: list[int] = Field(default_factory=list)
@@ -166,8 +169,8 @@ class StreamEvent(BaseModel):
 
 
 class ResultPayload(BaseModel):
-    """`results`: protocol events of one job, in order by seq; the last one has done=True and the
-    complete response body (or the error status and body)."""
+    """`results`: protocol events of one job, the envelope's seq being the index of the first; the
+    last message has done=True and the complete response body (or the error status and body)."""
 
     events: list[StreamEvent] = Field(default_factory=list)
     done: bool = False

@@ -25,7 +25,7 @@ class _Job:
     payload: DecodePayload
     span: Span  # from the job's arrival to its last token
     headers: dict[str, bytes] = field(default_factory=dict)  # the span's context, on every tokens message
-    next_seq: int = 1  # seq 0 (the start and the first token) goes out when the job arrives
+    sent: int = 1  # tokens sent: the first (prefill's) goes out with the start when the job arrives
 
 
 class DecodeWorker(Worker):
@@ -176,7 +176,7 @@ class DecodeWorker(Worker):
         """Store the job's final state as a prefix anchor, close its span and let its record be committed."""
         with within(job.span, job_id, end=True):
             job.span.set_attribute("deepmesh.finish", outcome)
-            job.span.set_attribute("deepmesh.tokens_messages", job.next_seq)
+            job.span.set_attribute("deepmesh.tokens", job.sent)
             if final_state is not None:
                 data = final_state.to_bytes()
                 with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
@@ -190,6 +190,7 @@ class DecodeWorker(Worker):
         self.watermarks.release(job_id)
 
     def _tokens_message(self, job: _Job, job_id: str, tokens: TokensPayload) -> Envelope:
-        message = Envelope(type="tokens", job_id=job_id, seq=job.next_seq, payload=tokens.model_dump())
-        job.next_seq += 1
+        """The job's next tokens message: its seq is the index of its first token (common/job_streams.py)."""
+        message = Envelope(type="tokens", job_id=job_id, seq=job.sent, payload=tokens.model_dump())
+        job.sent += len(tokens.token_ids)
         return message

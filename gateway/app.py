@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,138 +24,14 @@ from cache_svc.retention import request_error
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus
-from common.messages import Envelope, RequestPayload, ResultPayload, decode
+from common.messages import Envelope, RequestPayload, ResultPayload
 from common.topics import Topic, topic_name
 from common.tracing import Span, SpanKind, headers_of, http_telemetry, job_span, start_span
 from gateway.jobs import FINAL, JobStore
+from gateway.results import JobRecorder, ResultRouter
+from gateway.sse import frame, result_frames
 
 MAX_BODY_BYTES = 8 << 20
-
-
-@dataclass
-class _Watch:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    next_seq: int = 0
-
-
-@dataclass
-class ResultRouter:
-    """Reads `results` on a thread and hands each job's messages, in order and once, to its waiter."""
-
-    bus: Bus
-    topic: str
-    group: str  # one per gateway process
-    _watches: dict[str, _Watch] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="results-router", daemon=True)
-        self._thread.start()
-        if not self.ready.wait(timeout=60):
-            raise RuntimeError("could not subscribe to the results topic")
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def watch(self, job_id: str) -> asyncio.Queue:
-        """Register interest before the request is produced, so no result can be missed."""
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._watches[job_id] = _Watch(asyncio.get_running_loop(), queue)
-        return queue
-
-    def forget(self, job_id: str) -> None:
-        with self._lock:
-            self._watches.pop(job_id, None)
-
-    def _run(self) -> None:
-        # only results produced from now on matter to this gateway
-        consumer = self.bus.consumer([self.topic], self.group, from_beginning=False)
-        try:
-            consumer.wait_assigned(timeout=60)
-            self.ready.set()
-            while not self._stop.is_set():
-                # a poll's results reach each event loop in one wake-up, not one per message
-                batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, ResultPayload]]] = {}
-                for record in consumer.poll(timeout=0.2):
-                    self._route(record.value, batches)
-                for loop, deliveries in batches.items():
-                    loop.call_soon_threadsafe(_deliver, deliveries)
-                consumer.commit()
-        finally:
-            consumer.close()
-
-    def _route(self, raw: bytes, batches: dict) -> None:
-        try:
-            envelope = decode(raw, "result")
-            result = ResultPayload.model_validate(envelope.payload)
-        except ValueError:
-            return  # not ours to judge: the topic is public, and producers own their records
-        with self._lock:
-            watch = self._watches.get(envelope.job_id)
-            if watch is None or envelope.seq != watch.next_seq:
-                return  # another gateway's job, or a replay of a message already delivered
-            watch.next_seq += 1
-        batches.setdefault(watch.loop, []).append((watch.queue, result))
-
-
-def _deliver(deliveries: list[tuple[asyncio.Queue, ResultPayload]]) -> None:
-    for queue, result in deliveries:
-        queue.put_nowait(result)
-
-
-@dataclass
-class JobRecorder:
-    """Stores the results of async jobs (status, events, outcome). One consumer group for all
-    gateway replicas, so each results message is stored once; storing is idempotent anyway."""
-
-    bus: Bus
-    topic: str
-    group: str  # shared by every gateway of the deployment
-    store: JobStore
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-    # Ids with nothing to record: synchronous calls (most of the traffic) and ended jobs. A job's
-    # row is written before its request is produced, so one lookup per id settles it.
-    _ignored: OrderedDict[str, None] = field(default_factory=OrderedDict)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="job-recorder", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        consumer = self.bus.consumer([self.topic], self.group)
-        try:
-            while not self._stop.is_set():
-                for record in consumer.poll(timeout=0.2):
-                    try:
-                        envelope = decode(record.value, "result")
-                        result = ResultPayload.model_validate(envelope.payload)
-                    except ValueError:
-                        continue
-                    if envelope.job_id in self._ignored:
-                        continue
-                    events = [(e.name, e.data) for e in result.events]
-                    if not self.store.record(
-                        envelope.job_id, envelope.seq, events, result.done, result.status, result.body, result.done_data
-                    ):
-                        self._ignored[envelope.job_id] = None
-                        if len(self._ignored) > 100_000:
-                            self._ignored.popitem(last=False)
-                consumer.commit()
-        finally:
-            consumer.close()
 
 
 @dataclass
@@ -326,15 +200,8 @@ def create_app(
         try:
             arrived = [result]
             while True:
-                frames = []
-                for result in arrived:
-                    for event in result.events:
-                        name = f"event: {event.name}\n" if event.name else ""
-                        frames.append(f"{name}data: {event.data}\n\n")
-                    if result.done and result.done_data is not None:
-                        frames.append(f"data: {result.done_data}\n\n")
-                yield "".join(frames).encode()
-                if result.done:
+                yield result_frames(arrived)
+                if arrived[-1].done:
                     return
                 arrived = [await asyncio.wait_for(queue.get(), timeout=result_timeout)]
                 while not arrived[-1].done and not queue.empty():
@@ -405,13 +272,12 @@ def create_app(
             while True:
                 job = await asyncio.to_thread(jobs.get, job_id)
                 for event in await asyncio.to_thread(jobs.events, job_id, last):
-                    name = f"event: {event.name}\n" if event.name else ""
-                    yield f"{name}data: {event.data}\n\n".encode()
+                    yield frame(event.name, event.data).encode()
                     last = event.seq
                 if job.status in FINAL:
                     if job.status == "succeeded" and job.done_data is not None:
-                        yield f"data: {job.done_data}\n\n".encode()
-                    yield f"event: job.{job.status}\ndata: {json.dumps(job.to_api())}\n\n".encode()
+                        yield frame(None, job.done_data).encode()
+                    yield frame(f"job.{job.status}", json.dumps(job.to_api())).encode()
                     return
                 await asyncio.sleep(0.1)
 

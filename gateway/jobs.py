@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -17,6 +17,7 @@ from common.database import open_database
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 FINAL = ("succeeded", "failed", "cancelled")
+Recorded = Literal["stored", "ignored", "gap"]
 
 
 class Base(DeclarativeBase):
@@ -36,8 +37,7 @@ class Job(Base):
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     done_data: Mapped[str | None] = mapped_column(Text, nullable=True)
-    next_result_seq: Mapped[int] = mapped_column(Integer, default=0)  # results messages below it are stored
-    event_count: Mapped[int] = mapped_column(Integer, default=0)
+    event_count: Mapped[int] = mapped_column(Integer, default=0)  # events 0 .. event_count - 1 are stored
 
     def to_api(self) -> dict[str, Any]:
         succeeded = self.status == "succeeded"
@@ -59,7 +59,7 @@ class JobEvent(Base):
     __tablename__ = "job_events"
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)  # the event's index in the job's stream
     name: Mapped[str | None] = mapped_column(String(64), nullable=True)
     data: Mapped[str] = mapped_column(Text)
 
@@ -75,7 +75,6 @@ class JobStore:
             body=body,
             status="queued",
             created_at=time.time(),
-            next_result_seq=0,
             event_count=0,
         )
         with self.session.begin() as s:
@@ -89,33 +88,37 @@ class JobStore:
     def record(
         self,
         job_id: str,
-        first_seq: int,
+        first_event: int,
         events: list[tuple[str | None, str]],
         done: bool,
         status: int,
-        body,
-        done_data,
-    ) -> bool:
-        """Store one results message of a job: its events and, when done, the outcome. False when
-        there is nothing more to store for this id: not an async job, or one that has ended.
+        body: dict[str, Any] | None,
+        done_data: str | None,
+    ) -> Recorded:
+        """Store one results message of a job: its events, by their index in the job's stream
+        (`first_event` is the first one's), and when done the outcome. "ignored" when there is
+        nothing to store for this id (not an async job, or one that has ended); "gap" when the
+        message starts past the events stored so far (the caller holds it until they arrive).
 
-        Idempotent: a replayed message (its first event already stored) changes nothing.
+        Idempotent: events already stored, however a replay regroups them, are skipped.
         """
         with self.session.begin() as s:
             job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.status in FINAL:
-                return False
-            if events and s.get(JobEvent, (job_id, first_seq)) is not None:
-                return True
-            for i, (name, data) in enumerate(events):
-                s.add(JobEvent(job_id=job_id, seq=first_seq + i, name=name, data=data))
+                return "ignored"
+            if first_event > job.event_count:
+                return "gap"
+            for index, (name, data) in enumerate(events, start=first_event):
+                if index >= job.event_count:
+                    s.add(JobEvent(job_id=job_id, seq=index, name=name, data=data))
+            job.event_count = max(job.event_count, first_event + len(events))
             now = time.time()
             if job.status == "queued":
                 job.status, job.started_at = "running", now
             if done:
                 job.status = "succeeded" if status == 200 else "failed"
                 job.finished_at, job.status_code, job.result, job.done_data = now, status, body, done_data
-            return not done
+            return "stored"
 
     def cancel(self, job_id: str) -> Job | None:
         with self.session.begin() as s:

@@ -328,6 +328,31 @@ class GatewayBehaviour(SDKClients):
             assert chunks[0]["object"] == "chat.completion.chunk"
             assert ("job.succeeded" in [name for name, _ in events]) and (None, "[DONE]") in events
 
+    def test_a_jobs_replayed_events_are_its_live_stream_and_its_answer(self, service, oai):
+        """One greedy request three ways: streamed live, answered whole, and as an async job whose
+        events are replayed: the same text, finish and usage; the replay is the whole stream."""
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 60, **GREEDY["extra_body"], "temperature": 0}
+        answer = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=60, **GREEDY)
+        live = list(oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=60, stream=True, **GREEDY))
+        job = httpx.post(f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}).json()
+        done = wait_for_status(service.url, job["id"], {"succeeded", "failed"})
+        with httpx.stream("GET", f"{service.url}/v1/jobs/{job['id']}/events", timeout=30) as response:
+            replayed = [json.loads(data) for name, data in sse_events(response) if name is None and data != "[DONE]"]
+
+        def text(chunks) -> str:
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+        replayed_text = "".join(c["choices"][0]["delta"].get("content") or "" for c in replayed if c.get("choices"))
+        assert (
+            answer.choices[0].message.content
+            == text(live)
+            == replayed_text
+            == done["result"]["choices"][0]["message"]["content"]
+        )
+        assert len(replayed) == len(live)  # every event once: none lost, none repeated
+        assert [c["choices"][0]["finish_reason"] for c in replayed if c.get("choices")][-1] == "length"
+        assert done["usage"]["completion_tokens"] == answer.usage.completion_tokens == 60
+
     def test_cancelling_a_job_stops_decode_and_frees_its_state(self, service):
         body = {"model": MODEL, "messages": QUESTION, "max_tokens": 3000, "thinking": {"type": "disabled"}}
         job = httpx.post(f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}).json()

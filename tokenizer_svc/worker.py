@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from cache_svc.retention import DEFAULT_CLASS
 from common.bus import Bus, Record
+from common.job_streams import StreamCursor
 from common.messages import (
     BadMessage,
     Envelope,
@@ -30,8 +31,8 @@ class _Job:
     output: OutputStream
     span: Span  # the job's output conversion, from its first tokens to its last
     headers: dict[str, bytes] = field(default_factory=dict)  # the span's context, on every results message
-    next_tokens_seq: int = 0  # the next `tokens` seq this job expects; lower ones are replays
-    next_result_seq: int = 0
+    tokens: StreamCursor[TokensPayload] = field(default_factory=StreamCursor)  # the token ids taken so far
+    events_sent: int = 0  # events in the results messages so far: the next one's seq
 
 
 class TokenizerWorker(Worker):
@@ -56,12 +57,12 @@ class TokenizerWorker(Worker):
                     self._on_tokens(record, pending, finished)
             except BadMessage as err:
                 self.dead_letter(record, err)
-        results = [self._result(job_id, events, done=False) for job_id, events in pending.items()]
+        results = [self._result(job_id, events, done=False) for job_id, events in pending.items() if events]
         results += [self._result(job_id, events, done=True) for job_id, events in finished.items()]
         self.send_batch(Topic.RESULTS, results)
         for job_id in finished:  # only now that its last results are stored may its records be committed
             job = self.jobs.pop(job_id)
-            job.span.set_attribute("deepmesh.results_messages", job.next_result_seq)
+            job.span.set_attribute("deepmesh.events", job.events_sent)
             job.span.end()
             self.watermarks.release(job_id)
 
@@ -99,6 +100,7 @@ class TokenizerWorker(Worker):
         tokens = payload_of(envelope, TokensPayload)
         job_id = envelope.job_id
         job = None if job_id in finished else self.jobs.get(job_id)  # ended earlier in this poll: nothing to add
+        events: list[Event] = []
         if job is None:
             if envelope.seq != 0 or tokens.start is None or job_id in finished:
                 # the job finished here already (this is a replay), or its start was never seen
@@ -108,24 +110,20 @@ class TokenizerWorker(Worker):
             span = start_span("tokenizer.output", job_id, context_of(record.headers), SpanKind.CONSUMER)
             job = self.jobs[job_id] = _Job(output, span, headers_of(span))
             events = output.start(tokens.start.prompt_tokens, tokens.start.cached_tokens)
-        elif envelope.seq < job.next_tokens_seq:
-            self.watermarks.seen(record)  # a replayed message: already shown
-            return
-        else:
-            events = []
-        job.next_tokens_seq = envelope.seq + 1
-        events += job.output.tokens(tokens.token_ids)
         self.watermarks.hold(record, job_id)
-        if tokens.finished or job.output.complete:
-            if not tokens.finished:  # a stop sequence ended the answer: decoding the rest is waste
-                self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
-            events += job.output.finish(tokens.finish_reason or "stop")
-            finished[job_id] = pending.pop(job_id, []) + events
-        else:
-            pending.setdefault(job_id, []).extend(events)
+        # a replay repeats tokens (skipped) and a message past a gap waits for the ones before it
+        for message, taken in job.tokens.take(envelope.seq, len(tokens.token_ids), tokens):
+            events += job.output.tokens(message.token_ids[taken:])
+            if message.finished or job.output.complete:
+                if not message.finished:  # a stop sequence ended the answer: decoding the rest is waste
+                    self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
+                events += job.output.finish(message.finish_reason or "stop")
+                finished[job_id] = pending.pop(job_id, []) + events
+                return
+        pending.setdefault(job_id, []).extend(events)
 
     def _result(self, job_id: str, events: list[Event], done: bool) -> tuple[Envelope, dict[str, bytes]]:
-        """The job's next results message, carrying these events."""
+        """The job's next results message, carrying these events: its seq is the index of the first."""
         job = self.jobs[job_id]
         result = ResultPayload(
             events=[StreamEvent(name=e.name, data=e.data) for e in events],
@@ -133,8 +131,8 @@ class TokenizerWorker(Worker):
             body=job.output.body() if done else None,
             done_data=job.output.done_data if done else None,
         )
-        message = Envelope(type="result", job_id=job_id, seq=job.next_result_seq, payload=result.model_dump())
-        job.next_result_seq += 1
+        message = Envelope(type="result", job_id=job_id, seq=job.events_sent, payload=result.model_dump())
+        job.events_sent += len(events)
         return message, job.headers
 
 

