@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 
 from common import metrics
 from common.bus import Bus, Headers, Record
-from common.messages import BadMessage, DeadLetter, Envelope
+from common.messages import BadMessage, DeadLetter, Envelope, decode
 from common.topics import Topic, topic_name
 from common.tracing import Context, Span, SpanKind, headers_of, job_span, sender_span, within
 
@@ -45,6 +46,25 @@ class Watermarks:
         return {where: min(self._open.get(where) or {nxt: None}) for where, nxt in self._next.items()}
 
 
+class EarlyCancels:
+    """Cancels that arrived before their job: it is dropped when it comes. A cancel can overtake
+    its job (sent to every stage at once, it reaches a stage the job has not reached yet); one
+    whose job never comes is forgotten after `limit` newer ones."""
+
+    def __init__(self, limit: int = 100_000):
+        self.limit = limit
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, job_id: str) -> None:
+        self._ids[job_id] = None
+        if len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
+
+    def take(self, job_id: str) -> bool:
+        """Whether this job was cancelled before it came (asked once, when it comes)."""
+        return self._ids.pop(job_id, 0) is None
+
+
 class Worker:
     """Base for a service loop: subclasses set `topics` and `group` and implement `handle`."""
 
@@ -68,6 +88,22 @@ class Worker:
 
     def handle(self, records: list[Record]) -> None:
         raise NotImplementedError
+
+    def cancel(self, job_id: str) -> None:
+        """Drop a job and free its state (stages whose topic carries cancels implement it)."""
+        raise NotImplementedError
+
+    def job_message(self, record: Record, job_type: str) -> Envelope | None:
+        """The record's envelope if it is a `job_type` message; a `cancel` goes to `cancel` and
+        gives None; anything else is a BadMessage."""
+        envelope = decode(record.value)
+        if envelope.type == "cancel":
+            self.cancel(envelope.job_id)
+            self.watermarks.seen(record)
+            return None
+        if envelope.type != job_type:
+            raise BadMessage(f"envelope type {envelope.type!r} does not belong on the {job_type} topic")
+        return envelope
 
     def idle(self) -> None:
         """Called after every poll: workers with jobs in flight do their work here."""

@@ -11,10 +11,10 @@ from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
-from common.messages import BadMessage, DecodePayload, Envelope, JobStart, TokensPayload, decode, payload_of
+from common.messages import BadMessage, DecodePayload, Envelope, JobStart, TokensPayload, payload_of
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span, within
-from common.worker import Worker
+from common.worker import EarlyCancels, Worker
 from engine import EngineError, LLMEngine, SamplingParams, StateSnapshot
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class DecodeWorker(Worker):
         self.store = store
         self.retention = retention or Retention()
         self.jobs: dict[str, _Job] = {}
-        self.cancelled: set[str] = set()  # cancels that arrived before their job (bounded below)
+        self.cancelled = EarlyCancels()
         self.loaded = self.recomputed = 0
 
     @property
@@ -50,19 +50,18 @@ class DecodeWorker(Worker):
     def handle(self, records: list[Record]) -> None:
         for record in records:
             try:
-                envelope = decode(record.value)
-                if envelope.type == "cancel":
-                    self._cancel(envelope.job_id)
-                    self.watermarks.seen(record)
+                envelope = self.job_message(record, "decode")
+                if envelope is None:
                     continue
-                if envelope.type != "decode":
-                    raise BadMessage(f"envelope type {envelope.type!r} does not belong on the decode topic")
                 payload = payload_of(envelope, DecodePayload)
             except BadMessage as err:
                 self.dead_letter(record, err)
                 continue
-            if envelope.job_id in self.jobs or envelope.job_id in self.cancelled:
-                self.cancelled.discard(envelope.job_id)
+            if envelope.job_id in self.jobs:  # a replay of a job already running here
+                self.watermarks.seen(record)
+                continue
+            if self.cancelled.take(envelope.job_id):  # never started: free the state prefill left for it
+                self._release(envelope.job_id, payload)
                 self.watermarks.seen(record)
                 continue
             span = start_span("decode", envelope.job_id, context_of(record.headers), SpanKind.CONSUMER)
@@ -107,18 +106,24 @@ class DecodeWorker(Worker):
         seq0 = TokensPayload(start=start, token_ids=[payload.first_token])
         self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=seq0.model_dump()), span)
 
-    def _cancel(self, job_id: str) -> None:
+    def cancel(self, job_id: str) -> None:
         """Stop a job now and free its state; a cancel that comes first stops the job on arrival."""
         job = self.jobs.pop(job_id, None)
         if job is None:
             self.cancelled.add(job_id)
-            if len(self.cancelled) > 100_000:
-                self.cancelled.clear()
             return
         self.engine.abort(job_id)
         tokens = TokensPayload(finished=True, finish_reason="abort")
         self.send(Topic.TOKENS, self._tokens_message(job, job_id, tokens), job.headers)
         self._finish(job_id, job, "cancelled")
+
+    def _release(self, job_id: str, payload: DecodePayload) -> None:
+        """Unpin the prompt's entry prefill leased to this job: it will not be loaded."""
+        if payload.kv is not None:
+            try:
+                self.store.release(payload.kv.key, job_id)
+            except Exception:  # a lease that cannot be released lapses on its own
+                log.exception("releasing %s for %s failed", payload.kv.key, job_id)
 
     def _fetch(self, job_id: str, payload: DecodePayload) -> StateSnapshot | None:
         """The prompt's state prefill stored, as this job's: or None (recompute) when it is gone."""
@@ -128,7 +133,7 @@ class DecodeWorker(Worker):
         try:
             if kv.layout != self.engine.layout:
                 log.warning("state %s has layout %s, not this engine's %s", kv.key, kv.layout, self.engine.layout)
-                self.store.release(kv.key, job_id)
+                self._release(job_id, payload)
                 return None
             snapshot, _ = self.store.load(kv.key, release=job_id)  # loaded (or gone): the pin is done
         except Exception:  # a cache that fails means recomputing, never a lost job

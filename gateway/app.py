@@ -68,6 +68,16 @@ class _Call:
         self.span.end()
 
 
+class ClientGone(Exception):
+    """The client hung up before its answer was complete (a client that times out hangs up too)."""
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects; its request body has been read by then."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def protocol_error(endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An error in the endpoint's own format: OpenAI's for chat and responses, Anthropic's for messages."""
     if endpoint == "messages":
@@ -99,6 +109,7 @@ def create_app(
     router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
     recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs)
     requests_topic = topic_name(Topic.REQUESTS, topic_prefix)
+    prefill_topic = topic_name(Topic.PREFILL, topic_prefix)
     decode_topic = topic_name(Topic.DECODE, topic_prefix)
 
     @asynccontextmanager
@@ -159,6 +170,29 @@ def create_app(
             call.end(response.status_code)
         return response
 
+    def cancel_everywhere(job_id: str, parent: Span | None) -> None:
+        """Tell prefill and decode to drop a job and free its state, wherever it is: queued (a
+        cancel that comes first is remembered), prefilling or decoding. Blocking: on a thread."""
+        cancel = Envelope(type="cancel", job_id=job_id).encode()
+        with job_span("cancel job", job_id, parent) as span:
+            headers = headers_of(span)
+            for topic in (prefill_topic, decode_topic):
+                bus.produce(topic, job_id, cancel, headers)
+
+    def cancel_soon(job_id: str, parent: Span) -> None:
+        """cancel_everywhere without waiting for it: usable where the call itself is being cancelled."""
+        asyncio.get_running_loop().run_in_executor(None, cancel_everywhere, job_id, parent)
+
+    async def next_result(queue: asyncio.Queue, gone: asyncio.Task) -> ResultPayload:
+        """The job's next results message; ClientGone if the client leaves first, TimeoutError
+        after result_timeout."""
+        get = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({get, gone}, timeout=result_timeout, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        raise ClientGone() if gone in done else TimeoutError()
+
     async def answer(call: _Call, request: Request) -> Response:
         endpoint, job_id = call.endpoint, call.job_id
         body = await read_object(endpoint, request)
@@ -168,37 +202,40 @@ def create_app(
         if isinstance(options, Response):
             return options
         queue = router.watch(job_id)
+        gone = asyncio.create_task(client_gone(request))
+        streaming = False
         try:
             await enqueue(job_id, endpoint, body, call.span, options)
-            first = await asyncio.wait_for(queue.get(), timeout=result_timeout)
-        except TimeoutError:
-            router.forget(job_id)
-            return protocol_error(endpoint, 504, "no result in time", "timeout_error")
-        call.first_event()
-        if first.done and first.status != 200:
-            router.forget(job_id)
-            return error_response(endpoint, first)
-        if body.get("stream"):
-            return StreamingResponse(
-                sse(call, first, queue),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        result = first
-        try:
+            result = await next_result(queue, gone)
+            call.first_event()
+            if result.done and result.status != 200:
+                return error_response(endpoint, result)
+            if body.get("stream"):
+                streaming = True  # from here the stream watches the client (Starlette) and owns the job
+                return StreamingResponse(
+                    sse(call, result, queue),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
             while not result.done:
-                result = await asyncio.wait_for(queue.get(), timeout=result_timeout)
+                result = queue.get_nowait() if not queue.empty() else await next_result(queue, gone)
+            return JSONResponse(result.body, status_code=result.status)
         except TimeoutError:
+            cancel_soon(job_id, call.span)
             return protocol_error(endpoint, 504, "no result in time", "timeout_error")
+        except ClientGone:
+            cancel_soon(job_id, call.span)  # nobody is waiting for the rest: stop computing it
+            return Response(status_code=499)  # never sent; counted as nginx's "client closed request"
         finally:
-            router.forget(job_id)
-        return JSONResponse(result.body, status_code=result.status)
+            gone.cancel()
+            if not streaming:
+                router.forget(job_id)
 
     async def sse(call: _Call, result: ResultPayload, queue: asyncio.Queue) -> AsyncIterator[bytes]:
         """Events as they arrive, each `event:` (when the protocol names it) and `data:`; what
-        arrived together goes out in one write."""
+        arrived together goes out in one write. A client that leaves mid-stream cancels the job."""
+        arrived = [result]
         try:
-            arrived = [result]
             while True:
                 yield result_frames(arrived)
                 if arrived[-1].done:
@@ -207,6 +244,8 @@ def create_app(
                 while not arrived[-1].done and not queue.empty():
                     arrived.append(queue.get_nowait())
         finally:
+            if not arrived[-1].done:  # the client left, or no result came in time
+                cancel_soon(call.job_id, call.span)
             router.forget(call.job_id)
             call.end(200)
 
@@ -254,11 +293,8 @@ def create_app(
         job = await asyncio.to_thread(jobs.cancel, job_id)
         if job is None:
             return protocol_error("jobs", 404, f"no job {job_id}", "not_found_error")
-        if job.status == "cancelled":  # tell decode to stop and free the state, wherever the job is
-            cancel = Envelope(type="cancel", job_id=job_id)
-            with job_span("cancel job", job_id) as span:
-                headers = headers_of(span)
-                await asyncio.to_thread(bus.produce, decode_topic, job_id, cancel.encode(), headers)
+        if job.status == "cancelled":
+            await asyncio.to_thread(cancel_everywhere, job_id, None)
         return JSONResponse(job.to_api())
 
     @app.get("/v1/jobs/{job_id}/events")

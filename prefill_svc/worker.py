@@ -30,12 +30,11 @@ from common.messages import (
     PrefillPayload,
     ResultPayload,
     TokensPayload,
-    decode,
     payload_of,
 )
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, job_span, start_span, within
-from common.worker import Worker
+from common.worker import EarlyCancels, Worker
 from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
 
 
@@ -85,6 +84,7 @@ class PrefillWorker(Worker):
         self.retention = retention or Retention()
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
         self.jobs: dict[str, _Job] = {}
+        self.cancelled = EarlyCancels()
         self.tokens_per_second = 0.0  # measured prefill speed, against which a load is weighed
         self.fetch_threads = fetch_threads
         self.fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="prefill-fetch")
@@ -96,13 +96,15 @@ class PrefillWorker(Worker):
     def handle(self, records: list[Record]) -> None:
         for record in records:
             try:
-                envelope = decode(record.value, "prefill")
+                envelope = self.job_message(record, "prefill")
+                if envelope is None:
+                    continue
                 payload = payload_of(envelope, PrefillPayload)
             except BadMessage as err:
                 self.dead_letter(record, err)
                 continue
             job_id = envelope.job_id
-            if job_id in self.jobs:
+            if job_id in self.jobs or self.cancelled.take(job_id):  # a replay, or cancelled before it came
                 self.watermarks.seen(record)
                 continue
             sampling = payload.sampling
@@ -122,6 +124,20 @@ class PrefillWorker(Worker):
             job.fetch = self.fetcher.submit(self._fetch, job_id, job)
             self.jobs[job_id] = job
             self.watermarks.hold(record, job_id)
+        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
+
+    def cancel(self, job_id: str) -> None:
+        """Drop a job now, wherever it is here: fetching its prefix (the result is dropped) or in
+        the engine (its state is freed); a cancel that comes first drops the job on arrival."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            self.cancelled.add(job_id)
+            return
+        if job_id in self.engine.seqs:
+            self.engine.abort(job_id)
+        with within(job.span, job_id, end=True):
+            job.span.set_attribute("deepmesh.finish", "cancelled")
+        self.watermarks.release(job_id)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
     def _fetch(self, job_id: str, job: _Job) -> _Fetched:

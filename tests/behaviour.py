@@ -366,6 +366,34 @@ class GatewayBehaviour(SDKClients):
         time.sleep(0.5)
         assert httpx.get(f"{service.url}/v1/jobs/{job['id']}").json()["status"] == "cancelled"
 
+    def test_a_client_that_leaves_stops_its_job(self, service):
+        """A stream dropped after 5 chunks, and a plain call whose client times out: decode drops
+        the job within a second or two of the client leaving, instead of decoding to max_tokens."""
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 3000, **GREEDY["extra_body"], "stream": True}
+        with httpx.stream("POST", f"{service.url}/v1/chat/completions", json=body, timeout=60) as response:
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 5:
+                    break
+            assert service.decode_running() == 1
+        eventually(lambda: service.decode_running() == 0, 2, "decode went on with a stream nobody reads")
+
+        timed_out = []
+
+        def call() -> None:
+            try:
+                httpx.post(f"{service.url}/v1/chat/completions", json={**body, "stream": False}, timeout=3)
+            except httpx.TimeoutException as err:
+                timed_out.append(err)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        eventually(lambda: service.decode_running() == 1, 30, "the job never reached decode")
+        caller.join()
+        assert timed_out
+        eventually(lambda: service.decode_running() == 0, 2, "decode went on with an answer nobody waits for")
+
     def test_job_errors(self, service):
         url = service.url
         missing = httpx.get(f"{url}/v1/jobs/nope")
