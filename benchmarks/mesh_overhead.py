@@ -3,8 +3,12 @@
 Baseline: the requests' prompts go straight into one LLMEngine in this process, all at once.
 Mesh: N concurrent clients, in a process of their own, stream the same requests over HTTP
 through the gateway, the in-process bus, tokenizer, prefill, the state hand-over and decode
-(`deepmesh serve`'s embedded mode). Both on the same checkpoint, greedy, in the same run. Prints p50 / p99
-end-to-end latency, time to first token, output tokens/s and the overhead ratios.
+(`deepmesh serve`'s embedded mode). Both on the same checkpoint, greedy, in the same run, with
+the same work: both stop at the model's end of sequence, and the tokens each side generated
+are counted (the mesh's from each stream's usage chunk) and must agree. Time to first token
+is the arrival of a request's first generated token on both sides: the engine's first output,
+the stream's first chunk (the tokenizer sends the role chunk with the first token's text).
+Prints p50 / p99 end-to-end latency, time to first token, output tokens/s and the ratios.
 
     python benchmarks/mesh_overhead.py [--concurrency 16] [--max-tokens 128] [--model PATH]
 """
@@ -49,6 +53,7 @@ def request_body(i: int, max_tokens: int) -> dict:
         "temperature": 0,
         "thinking": {"type": "disabled"},
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
 
 
@@ -57,23 +62,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def engine_round(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
-    """All prompts into the engine at once, stepped to the end on this thread."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def engine_round(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts into the engine at once, stepped to the end on this thread; stopping at the
+    end of sequence as a chat request does."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
     start = time.perf_counter()
     first: dict[str, float] = {}
     done: dict[str, float] = {}
-    tokens = 0
+    counts: dict[str, int] = {}
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
             first.setdefault(out.request_id, now)
-            tokens += len(out.new_token_ids)
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
             if out.finished:
                 done[out.request_id] = now
-    return summarise(start, first, done, tokens)
+    return summarise(start, first, done, counts)
 
 
 def stream_clients(url: str, bodies: list[dict]) -> tuple[float, dict, dict, int]:
@@ -99,20 +105,20 @@ async def _stream_clients(url: str, bodies: list[dict]) -> tuple[float, dict, di
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
+                    first.setdefault(key, time.perf_counter())
                     chunk = json.loads(line.removeprefix("data: "))
-                    delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
-                    if delta.get("content"):
-                        first.setdefault(key, time.perf_counter())
                     if chunk.get("usage"):
                         counts[key] = chunk["usage"]["completion_tokens"]
             done[key] = time.perf_counter()
+            if key not in counts:
+                raise RuntimeError(f"stream {key} ended without a usage chunk: its tokens cannot be counted")
 
         tasks = [asyncio.create_task(client(i, b)) for i, b in enumerate(bodies)]
         await asyncio.sleep(0.1)
         began = time.perf_counter()
         start.set()
         await asyncio.gather(*tasks)
-    return began, first, done, sum(counts.values())
+    return began, first, done, counts
 
 
 def measure(model: Path, bodies: list[dict], prompts: list[list[int]], workdir: Path, rounds: int):
@@ -155,17 +161,21 @@ def measure(model: Path, bodies: list[dict], prompts: list[list[int]], workdir: 
     driver.start()
     mesh.run_engines(until=round_done)  # serves the warm-up
     engine_rounds = []
-    for round_ in range(rounds):
+    for _ in range(rounds):
         round_done.clear()
-        engine_rounds.append(engine_round(engine, prompts, max_tokens, str(round_)))
+        engine_rounds.append(engine_round(engine, prompts, max_tokens))
         go.set()
         mesh.run_engines(until=round_done)
     driver.join()
     server.should_exit = True
     mesh.stop()
     jobs.close()
-    expected_tokens = len(bodies) * max_tokens
-    mesh_rounds = [summarise(start, first, done, tokens or expected_tokens) for start, first, done, tokens in measured]
+    mesh_rounds = [summarise(start, first, done, counts) for start, first, done, counts in measured]
+    for engine_, mesh_ in zip(engine_rounds, mesh_rounds, strict=True):
+        if engine_["tokens"] != mesh_["tokens"]:  # not the same work: the comparison would mean nothing
+            raise RuntimeError(
+                f"the engine generated {engine_['tokens']} tokens per request, the mesh {mesh_['tokens']}"
+            )
     return engine_rounds, mesh_rounds
 
 
@@ -173,10 +183,12 @@ def median_round(rounds: list[dict]) -> dict:
     return sorted(rounds, key=lambda r: r["p50_s"])[len(rounds) // 2]
 
 
-def summarise(start: float, first: dict[str, float], done: dict[str, float], tokens: int) -> dict:
+def summarise(start: float, first: dict[str, float], done: dict[str, float], counts: dict[str, int]) -> dict:
     latencies = [t - start for t in done.values()]
     ttfts = [t - start for t in first.values()]
+    tokens = sum(counts.values())
     return {
+        "tokens": dict(sorted(counts.items())),
         "p50_s": statistics.median(latencies),
         "p99_s": percentile(latencies, 0.99),
         "ttft_p50_s": statistics.median(ttfts),

@@ -49,6 +49,13 @@ class Consumer(Protocol):
     def wait_assigned(self, timeout: float) -> None:
         """Block until the group has given this consumer its partitions."""
 
+    def owned(self) -> set[tuple[str, int]]:
+        """The (topic, partition)s the group has given this consumer now."""
+
+    def rewind(self) -> None:
+        """Go back to the committed offset of every partition this consumer holds: what was
+        polled since is delivered again."""
+
 
 class Bus(Protocol):
     busy_poll_timeout: float  # how long a worker with jobs in flight waits for records between steps
@@ -184,6 +191,15 @@ class MemoryConsumer:
     def wait_assigned(self, timeout: float) -> None:
         return  # partitions are dealt as soon as a member joins
 
+    def owned(self) -> set[tuple[str, int]]:
+        with self.bus._lock:
+            return set(self.positions)
+
+    def rewind(self) -> None:
+        with self.bus._lock:
+            for topic, part in self.positions:
+                self.positions[(topic, part)] = self.bus._committed.get((self.group, topic, part), 0)
+
     def close(self) -> None:
         with self.bus._lock:
             if self.closed:
@@ -278,6 +294,7 @@ class KafkaConsumerAdapter:
             time.sleep(0.1)
         self._consumer.subscribe(topics)
         self._pending: list[Record] = []
+        self._from_beginning = from_beginning
 
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
         if self._pending:  # records polled while waiting for the assignment
@@ -320,6 +337,18 @@ class KafkaConsumerAdapter:
             if time.monotonic() > deadline:
                 raise TimeoutError("no partitions assigned")
             self._pending.extend(self.poll(timeout=0.1))
+
+    def owned(self) -> set[tuple[str, int]]:
+        return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def rewind(self) -> None:
+        self._pending = []
+        for tp in self._consumer.assignment():
+            committed = self._consumer.committed(tp)
+            if committed is None:  # nothing committed yet: where a new member would start
+                (self._consumer.seek_to_beginning if self._from_beginning else self._consumer.seek_to_end)(tp)
+            else:
+                self._consumer.seek(tp, committed)
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)

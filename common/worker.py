@@ -3,7 +3,14 @@
 A job can stay in flight across many polls (decode holds it for its whole generation). A
 partition is therefore committed only up to the oldest record whose job is not finished:
 if the worker dies, whichever replica takes the partition over replays from there, and the
-(job id, type, seq) numbering of everything produced lets downstream drop what it has seen.
+numbering of everything produced (common/job_streams.py) lets downstream drop what it has
+seen. Produce waits for the broker's acknowledgement, so a commit that follows it covers
+only work whose output is stored.
+
+Two more ways to lose a job's work are handled here: a partition the group gives to another
+replica (its jobs are dropped here, silently: the new owner replays them) and a step that
+fails part way (every job in flight is dropped and the consumer goes back to its committed
+offsets, so the work is really done again, not skipped).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from common import metrics
 from common.bus import Bus, Headers, Record
@@ -41,6 +49,18 @@ class Watermarks:
         for held in self._open.values():
             for offset in [o for o, j in held.items() if j == job_id]:
                 del held[offset]
+
+    def jobs(self, partitions: set[tuple[str, int]] | None = None) -> set[str]:
+        """The jobs with records held, in these partitions (None: in any)."""
+        return {
+            j for where, held in self._open.items() if partitions is None or where in partitions for j in held.values()
+        }
+
+    def forget(self, partitions: set[tuple[str, int]]) -> None:
+        """Partitions this worker no longer owns: their positions are their new owner's to commit."""
+        for where in partitions:
+            self._next.pop(where, None)
+            self._open.pop(where, None)
 
     def offsets(self) -> dict[tuple[str, int], int]:
         return {where: min(self._open.get(where) or {nxt: None}) for where, nxt in self._next.items()}
@@ -77,6 +97,8 @@ class Worker:
         self.watermarks = Watermarks()
         self._consumer = None
         self._committed: dict[tuple[str, int], int] = {}
+        self._owned: set[tuple[str, int]] = set()
+        self.failed = False  # a step failed: recover before the next one
 
     def topic(self, topic: Topic) -> str:
         return topic_name(topic, self.prefix)
@@ -90,8 +112,14 @@ class Worker:
         raise NotImplementedError
 
     def cancel(self, job_id: str) -> None:
-        """Drop a job and free its state (stages whose topic carries cancels implement it)."""
+        """Stop a job for good and free its state (stages whose topic carries cancels implement it)."""
         raise NotImplementedError
+
+    def drop(self, job_id: str) -> bool:
+        """Forget a job in flight without a word downstream, freeing its state: its records are
+        delivered again, here or to another replica, which does the work again. False if the
+        job is not here."""
+        return False
 
     def job_message(self, record: Record, job_type: str) -> Envelope | None:
         """The record's envelope if it is a `job_type` message; a `cancel` goes to `cancel` and
@@ -115,8 +143,18 @@ class Worker:
     def run_once(self, timeout: float = 0.1) -> None:
         if self._consumer is None:
             self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.consumer_group)
+        if self.failed:
+            self.recover()
         # busy: only a glance at the bus between engine steps (see Bus.busy_poll_timeout)
         records = self._consumer.poll(timeout=self.bus.busy_poll_timeout if self.busy else timeout)
+        owned = self._consumer.owned()
+        if lost := self._owned - owned:  # a rebalance gave them to another replica, which replays their jobs
+            log.info("%s: partitions %s moved away; dropping their jobs", self.group, sorted(lost))
+            for job_id in self.watermarks.jobs(lost):
+                self.drop(job_id)
+            self.watermarks.forget(lost)
+        self._owned = owned
+        records = [r for r in records if (r.topic, r.partition) in owned]
         if records:
             for r in records:
                 if log.isEnabledFor(logging.DEBUG):  # in the record's trace, with its job: the key
@@ -134,11 +172,22 @@ class Worker:
     def run(self, stop: threading.Event) -> None:
         run_workers([self], stop)
 
+    def recover(self) -> None:
+        """After a failed step: go back to the committed offsets and drop every job in flight, so
+        the records of those jobs come again and their work is redone, not skipped."""
+        self._consumer.rewind()  # first: if the bus is down, this fails and is tried again
+        for job_id in self.watermarks.jobs():
+            self.drop(job_id)
+        self.watermarks = Watermarks()
+        self._committed = {}
+        self.failed = False
+
     def close(self) -> None:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
             self._committed = {}
+            self._owned = set()
 
     def send(self, topic: Topic, envelope: Envelope, headers: Headers | None = None) -> None:
         """Produce a job's message downstream (keyed by its job id, so a job's messages stay in order)."""
@@ -164,6 +213,27 @@ class Worker:
         self.watermarks.seen(record)
 
 
+class EngineWorker(Worker):
+    """A worker whose jobs run in an engine (prefill, decode): `jobs` maps a job id to its state,
+    which has the job's `span`; `engine` holds a request per job under the same id."""
+
+    engine: Any
+    jobs: dict[str, Any]
+
+    def drop(self, job_id: str) -> bool:
+        """Forget a job wherever it is here (a prefill's fetch result is then dropped too) and free
+        its state in the engine."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return False
+        if job_id in self.engine.seqs:
+            self.engine.abort(job_id)
+        with within(job.span, job_id, end=True):
+            job.span.set_attribute("deepmesh.finish", "dropped")
+        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
+        return True
+
+
 def run_workers(workers: list[Worker], stop: threading.Event) -> None:
     """Run workers in turn on the calling thread until `stop` is set; each outlives any one failure.
 
@@ -182,9 +252,10 @@ def run_workers(workers: list[Worker], stop: threading.Event) -> None:
                 timeout = bus.busy_poll_timeout if busy else bus.idle_poll_timeout / len(workers)
                 try:
                     worker.run_once(timeout)
-                except Exception:  # at-least-once delivery replays whatever the failed step was doing
-                    log.exception("%s worker: step failed; continuing", worker.group)
+                except Exception:
+                    log.exception("%s worker: step failed; its jobs in flight are done again", worker.group)
                     metrics.WORKER_ERRORS.labels(worker.group).inc()
+                    worker.failed = True
                     stop.wait(1.0)
     finally:
         for worker in workers:

@@ -14,7 +14,7 @@ from common.bus import Bus, Record
 from common.messages import BadMessage, DecodePayload, Envelope, JobStart, TokensPayload, payload_of
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span, within
-from common.worker import EarlyCancels, Worker
+from common.worker import EarlyCancels, EngineWorker
 from engine import EngineError, LLMEngine, SamplingParams, StateSnapshot
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class _Job:
     sent: int = 1  # tokens sent: the first (prefill's) goes out with the start when the job arrives
 
 
-class DecodeWorker(Worker):
+class DecodeWorker(EngineWorker):
     topics = (Topic.DECODE,)
     group = "decode"
 
@@ -57,7 +57,8 @@ class DecodeWorker(Worker):
             except BadMessage as err:
                 self.dead_letter(record, err)
                 continue
-            if envelope.job_id in self.jobs:  # a replay of a job already running here
+            if envelope.job_id in self.jobs:  # a replay of a job already running here (a prefill did it twice)
+                self._release(envelope.job_id, payload)
                 self.watermarks.seen(record)
                 continue
             if self.cancelled.take(envelope.job_id):  # never started: free the state prefill left for it
@@ -170,10 +171,10 @@ class DecodeWorker(Worker):
             tokens = TokensPayload(token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason)
             step.append((self._tokens_message(job, out.request_id, tokens), job.headers))
             if out.finished:
-                del self.jobs[out.request_id]
                 finished.append((out.request_id, job, out.finish_reason or "stop", out.final_state))
         self.send_batch(Topic.TOKENS, step)  # every job's tokens of this step, in one batch
-        for job_id, job, reason, final_state in finished:
+        for job_id, job, reason, final_state in finished:  # only once their last tokens are stored
+            del self.jobs[job_id]
             self._finish(job_id, job, reason, final_state)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 

@@ -99,7 +99,7 @@ class LLMEngine:
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
         seq.snapshot_at = _snapshot_positions(snapshot_at, len(prompt))
-        self.seqs[request_id] = seq
+        self._register(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -243,8 +243,14 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt + max_tokens exceeds the model's context of {self.max_model_len}")
         seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
         seq.output_token_ids = outputs
-        self.seqs[request_id] = seq
+        self._register(seq)
         return seq
+
+    def _register(self, seq: Sequence) -> None:
+        """Hold a new request. Its id may be that of one aborted since the last step (a worker that
+        drops a job and takes it again): that one's abort output is not this one's."""
+        self._aborted = [out for out in self._aborted if out.request_id != seq.request_id]
+        self.seqs[seq.request_id] = seq
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work

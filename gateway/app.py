@@ -68,6 +68,10 @@ class _Call:
         self.span.end()
 
 
+class QueueUnavailable(Exception):
+    """The request could not be put on the bus (the broker is away): the client may retry."""
+
+
 class ClientGone(Exception):
     """The client hung up before its answer was complete (a client that times out hangs up too)."""
 
@@ -85,6 +89,14 @@ def protocol_error(endpoint: str, status: int, message: str, kind: str = "invali
     else:
         body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     return JSONResponse(body, status_code=status)
+
+
+def queue_unavailable(endpoint: str) -> JSONResponse:
+    """503 with Retry-After: nothing was accepted, so a retry is safe."""
+    kind = "api_error" if endpoint == "messages" else "server_error"
+    response = protocol_error(endpoint, 503, "the request queue is unavailable; retry shortly", kind)
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def error_response(endpoint: str, result: ResultPayload) -> JSONResponse:
@@ -157,7 +169,10 @@ def create_app(
         message = Envelope(type="request", job_id=job_id, payload=payload)
         with job_span("send requests", job_id, parent, SpanKind.PRODUCER) as span:
             headers = headers_of(span)
-            await asyncio.to_thread(bus.produce, requests_topic, job_id, message.encode(), headers)
+            try:
+                await asyncio.to_thread(bus.produce, requests_topic, job_id, message.encode(), headers)
+            except Exception as err:  # kafka-python's errors, a timeout: the broker did not take it
+                raise QueueUnavailable(str(err)) from err
 
     async def serve(endpoint: str, request: Request) -> Response:
         call = _Call.begin(endpoint)
@@ -220,6 +235,8 @@ def create_app(
             while not result.done:
                 result = queue.get_nowait() if not queue.empty() else await next_result(queue, gone)
             return JSONResponse(result.body, status_code=result.status)
+        except QueueUnavailable:
+            return queue_unavailable(endpoint)
         except TimeoutError:
             cancel_soon(job_id, call.span)
             return protocol_error(endpoint, 504, "no result in time", "timeout_error")
@@ -277,7 +294,11 @@ def create_app(
         job_id = uuid.uuid4().hex
         with job_span("submit job", job_id, **{"deepmesh.endpoint": endpoint}) as span:
             job = await asyncio.to_thread(jobs.create, job_id, endpoint, {**body, "stream": False})
-            await enqueue(job_id, endpoint, {**body, "stream": False}, span, options)
+            try:
+                await enqueue(job_id, endpoint, {**body, "stream": False}, span, options)
+            except QueueUnavailable:  # not accepted after all: no job stays queued that nothing will run
+                await asyncio.to_thread(jobs.delete, job_id)
+                return queue_unavailable("jobs")
         metrics.JOBS_SUBMITTED.labels(endpoint).inc()
         return JSONResponse(job.to_api(), status_code=202)
 

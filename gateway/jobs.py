@@ -81,6 +81,12 @@ class JobStore:
             s.add(job)
         return job
 
+    def delete(self, job_id: str) -> None:
+        with self.session.begin() as s:
+            job = s.get(Job, job_id)
+            if job is not None:
+                s.delete(job)
+
     def get(self, job_id: str) -> Job | None:
         with self.session() as s:
             return s.get(Job, job_id)

@@ -9,6 +9,7 @@ in order. They run on threads of their own and are plain classes: tests drive th
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from common.worker import Watermarks
 from gateway.jobs import JobStore
 
 Delivery = tuple[asyncio.Queue, ResultPayload]
+log = logging.getLogger(__name__)
 
 
 def read_result(record: Record) -> tuple[Envelope, ResultPayload] | None:
@@ -81,8 +83,12 @@ class ResultRouter:
             consumer.wait_assigned(timeout=60)
             self.ready.set()
             while not self._stop.is_set():
-                self.route(consumer.poll(timeout=0.2))
-                consumer.commit()
+                try:
+                    self.route(consumer.poll(timeout=0.2))
+                    consumer.commit()
+                except Exception:  # the broker away: the waiters wait, the thread carries on
+                    log.exception("reading results failed; retrying")
+                    self._stop.wait(1.0)
         finally:
             consumer.close()
 
@@ -143,10 +149,21 @@ class JobRecorder:
 
     def _run(self) -> None:
         consumer = self.bus.consumer([self.topic], self.group)
+        failed = False
         try:
             while not self._stop.is_set():
-                self.record(consumer.poll(timeout=0.2))
-                consumer.commit(self.watermarks.offsets())
+                try:
+                    if failed:  # read again from the last commit: storing is idempotent
+                        consumer.rewind()
+                        self._ahead.clear()
+                        self.watermarks = Watermarks()
+                        failed = False
+                    self.record(consumer.poll(timeout=0.2))
+                    consumer.commit(self.watermarks.offsets())
+                except Exception:  # the broker or the database away
+                    log.exception("recording job results failed; reading them again")
+                    failed = True
+                    self._stop.wait(1.0)
         finally:
             consumer.close()
 

@@ -34,7 +34,7 @@ from common.messages import (
 )
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, job_span, start_span, within
-from common.worker import EarlyCancels, Worker
+from common.worker import EarlyCancels, EngineWorker
 from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
 
 
@@ -62,7 +62,7 @@ class _Job:
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker(Worker):
+class PrefillWorker(EngineWorker):
     topics = (Topic.PREFILL,)
     group = "prefill"
 
@@ -127,18 +127,11 @@ class PrefillWorker(Worker):
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
     def cancel(self, job_id: str) -> None:
-        """Drop a job now, wherever it is here: fetching its prefix (the result is dropped) or in
-        the engine (its state is freed); a cancel that comes first drops the job on arrival."""
-        job = self.jobs.pop(job_id, None)
-        if job is None:
+        """Drop a job now, wherever it is here; a cancel that comes first drops it on arrival."""
+        if self.drop(job_id):
+            self.watermarks.release(job_id)
+        else:
             self.cancelled.add(job_id)
-            return
-        if job_id in self.engine.seqs:
-            self.engine.abort(job_id)
-        with within(job.span, job_id, end=True):
-            job.span.set_attribute("deepmesh.finish", "cancelled")
-        self.watermarks.release(job_id)
-        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
     def _fetch(self, job_id: str, job: _Job) -> _Fetched:
         """On a fetch thread: the longest stored prefix of the job's prompt (its tenant's), loaded

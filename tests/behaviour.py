@@ -370,13 +370,14 @@ class GatewayBehaviour(SDKClients):
         """A stream dropped after 5 chunks, and a plain call whose client times out: decode drops
         the job within a second or two of the client leaving, instead of decoding to max_tokens."""
         body = {"model": MODEL, "messages": QUESTION, "max_tokens": 3000, **GREEDY["extra_body"], "stream": True}
+        eventually(lambda: service.decode_running() == 0, 60, "decode still busy with an earlier test's jobs")
         with httpx.stream("POST", f"{service.url}/v1/chat/completions", json=body, timeout=60) as response:
             chunks = 0
             for line in response.iter_lines():
                 chunks += line.startswith("data: ")
                 if chunks == 5:
                     break
-            assert service.decode_running() == 1
+            assert (running := service.decode_running()) == 1, f"decode runs {running} jobs"
         eventually(lambda: service.decode_running() == 0, 2, "decode went on with a stream nobody reads")
 
         timed_out = []

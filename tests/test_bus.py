@@ -87,6 +87,35 @@ def test_uncommitted_records_are_delivered_again(bus):
     third.close()
 
 
+def test_rewind_delivers_again_what_came_since_the_last_commit(bus):
+    topic = fresh(bus, partitions=1)
+    consumer = bus.consumer([topic], f"g-{uuid.uuid4().hex[:8]}")
+    for i in range(5):
+        bus.produce(topic, "job", f"{i}".encode())
+    assert len(poll_until(consumer, 5)) == 5
+    consumer.commit({(topic, 0): 2})  # 0 and 1 done; 2..4 polled but not done (a step that failed)
+    consumer.rewind()
+    assert [r.value for r in poll_until(consumer, 3)] == [b"2", b"3", b"4"]
+    consumer.close()
+
+
+def test_owned_partitions_follow_the_group(bus):
+    topic = fresh(bus, partitions=2)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    first = bus.consumer([topic], group)
+    first.wait_assigned(timeout=30)
+    assert first.owned() == {(topic, 0), (topic, 1)}
+    second = bus.consumer([topic], group)
+    deadline = time.monotonic() + 60
+    while not (len(first.owned()) == 1 and len(second.owned()) == 1):  # a rebalance splits them
+        first.poll(timeout=0.2)
+        second.poll(timeout=0.2)
+        assert time.monotonic() < deadline, "the group never gave the second member a partition"
+    assert first.owned() | second.owned() == {(topic, 0), (topic, 1)}
+    second.close()
+    first.close()
+
+
 def test_memory_bus_refuses_unknown_topics():
     bus = MemoryBus()
     with pytest.raises(KeyError, match="create it first"):

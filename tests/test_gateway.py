@@ -112,3 +112,48 @@ def test_each_request_keeps_its_prefixes_as_long_as_its_retention_class_says(ser
     ):
         answer = httpx.post(service.url + "/v1/chat/completions", json={**chat, "deepmesh": extension}, headers=headers)
         assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error", extension
+
+
+class _BrokerAway(MemoryBus):
+    """A bus whose broker does not take requests: what a client meets while Kafka restarts
+    (tests/test_chaos.py restarts a real broker)."""
+
+    def produce_batch(self, topic, records) -> None:
+        if topic.endswith("requests"):
+            raise TimeoutError("KafkaTimeoutError: batch for requests-0 expired")
+        super().produce_batch(topic, records)
+
+
+def test_a_request_the_queue_cannot_take_is_a_503_to_retry(jobs):
+    """Nothing is accepted, so nothing is lost: a 503 in the protocol's body with Retry-After,
+    read by the official SDKs, and no async job left queued that nothing will run."""
+    import anthropic
+    import httpx
+    import openai
+
+    bus = _BrokerAway()
+    bus.create_topics(all_topic_names("away."), 1)
+    with ServerThread(create_app(bus, "away.", [MODEL], jobs)) as server:
+        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as caught:
+            oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert caught.value.status_code == 503 and caught.value.response.headers["retry-after"] == "1"
+        assert caught.value.body["type"] == "server_error" and "retry" in caught.value.body["message"]
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            claude.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.status_code == 503 and refused.value.body["error"]["type"] == "api_error"
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        before = _job_count(jobs)
+        submitted = httpx.post(f"{server.url}/v1/jobs", json={"endpoint": "chat.completions", "body": chat})
+        assert submitted.status_code == 503 and submitted.headers["retry-after"] == "1"
+        assert _job_count(jobs) == before  # no job left queued that nothing would run
+
+
+def _job_count(jobs) -> int:
+    from sqlalchemy import func, select
+
+    from gateway.jobs import Job
+
+    with jobs.session() as session:
+        return session.scalar(select(func.count()).select_from(Job))

@@ -66,6 +66,12 @@ class TokenizerWorker(Worker):
             job.span.end()
             self.watermarks.release(job_id)
 
+    def drop(self, job_id: str) -> bool:
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            job.span.end()
+        return job is not None
+
     def _on_request(self, record: Record) -> None:
         envelope = decode(record.value, "request")
         request = payload_of(envelope, RequestPayload)

@@ -1,0 +1,38 @@
+"""Every kind of service killed while jobs run, and the broker restarted, with real processes
+over real Kafka (tests/chaos.py): no answer lost, hung or different from a single-process run.
+benchmarks/chaos_soak.py runs the same harness longer, with random faults."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos import Faults, Outcome, body, expected_answers, run_jobs, run_streams, start_cluster, summary
+from tests.infra import require_service
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from engine.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("chaos") / "tiny", "tiny", seed=0)
+
+
+def test_streams_and_jobs_survive_every_kind_of_kill_and_a_broker_restart(model, tmp_path):
+    require_service("DEEPMESH_KAFKA_BOOTSTRAP")
+    bodies = [body(i, max_tokens=48) for i in range(30)]
+    expected = expected_answers(model, bodies)
+    cluster = start_cluster(tmp_path, model, replicas=2)
+    streams, jobs = Outcome(), Outcome()
+    try:
+        # streams (the gateway stays up): each worker kind, the cache and the broker, one after another
+        with Faults(cluster, ["tokenizer", "prefill", "decode", "cache", "broker"], every=3.0) as faults:
+            run_streams(cluster.url, bodies[:22], expected[:22], 180, streams, spacing=0.7, until=faults.finished)
+        # async jobs: the gateway killed too, and a decode
+        with Faults(cluster, ["gateway", "decode"], every=2.0) as job_faults:
+            run_jobs(cluster.url, bodies[22:], expected[22:], timeout=180, outcome=jobs)
+    finally:
+        cluster.stop()
+    assert faults.done == ["tokenizer", "prefill", "decode", "cache", "broker"], summary(faults.done)
+    assert job_faults.done == ["gateway", "decode"]
+    assert streams.sent >= 22 and streams.completed == streams.sent, f"{streams.line()}: {streams.problems}"
+    assert (jobs.completed, jobs.sent) == (8, 8), f"{jobs.line()}: {jobs.problems}"
