@@ -13,6 +13,8 @@ COPY cache_svc cache_svc
 COPY gateway gateway
 COPY deepmesh deepmesh
 RUN pip install .
+# claim checks: large message values, in a volume every service mounts (common/claims.py)
+RUN mkdir -p /claims && chown nobody /claims
 
 USER nobody
 ENTRYPOINT []

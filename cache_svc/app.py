@@ -16,6 +16,8 @@ POST   /v1/maintenance/{task}        one of them (flush, sweep, rebalance, colle
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import asdict
 
 from fastapi import FastAPI, Header, Request
@@ -53,7 +55,14 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
 
 def create_app(store: StateStore) -> FastAPI:
     # Store calls do file, Redis and SQL I/O: they run in the thread pool, off the event loop.
-    app = FastAPI(title="deepmesh cache", version="0.1.0", telemetry=http_telemetry())
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # stopping (SIGTERM): what only this process's memory holds goes down to disk first, so
+        # that every entry the catalog lists is still there after a restart
+        await run_in_threadpool(store.flush)
+
+    app = FastAPI(title="deepmesh cache", version="0.1.0", lifespan=lifespan, telemetry=http_telemetry())
 
     @app.post("/v1/prefix")
     async def put_prefix(

@@ -45,6 +45,8 @@ class Entry(Base):
     last_hit_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     expires_at: Mapped[float] = mapped_column(Float, index=True)
     hits: Mapped[int] = mapped_column(Integer, default=0)
+    # the cache replica that wrote it: until write-behind, its bytes are in that replica's memory alone
+    writer: Mapped[str] = mapped_column(String(200), default="", index=True)
 
     def pinned(self, now: float) -> bool:
         return any(until > now for until in self.leases.values())
@@ -159,6 +161,12 @@ class Catalog:
         """Every key and the tiers recorded as holding it."""
         with self.session() as s:
             return {key: [t for t in tiers.split(",") if t] for key, tiers in s.execute(select(Entry.key, Entry.tiers))}
+
+    def written_by(self, writer: str) -> dict[str, list[str]]:
+        """The keys a replica wrote, and the tiers recorded as holding each."""
+        with self.session() as s:
+            rows = s.execute(select(Entry.key, Entry.tiers).where(Entry.writer == writer))
+            return {key: [t for t in tiers.split(",") if t] for key, tiers in rows}
 
     def anchors_missing_blocks(self) -> list[str]:
         """Anchors that name a block the catalog no longer has (it was evicted)."""

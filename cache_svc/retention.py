@@ -2,19 +2,15 @@
 
 A request names its tenant (header X-DeepMesh-Tenant, default "default") and may choose its
 class (header X-DeepMesh-Retention, or the body field `"deepmesh": {"retention": ...}`);
-otherwise its endpoint's default applies: Anthropic Messages, the protocol of coding agents,
-is `agent`; the OpenAI protocols are `chat`.
+otherwise its endpoint's default applies (common/api.py).
 Defaults follow DeepSeek's service: agent 3 days, chat 7 days.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-CLASSES = ("agent", "chat")
-DEFAULT_CLASS = {"messages": "agent", "chat.completions": "chat", "responses": "chat"}
-TENANT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+from common.api import RETENTION_CLASSES as CLASSES
 
 
 @dataclass
@@ -38,12 +34,3 @@ class Retention:
 
     def ttl(self, tenant: str, retention_class: str) -> float:
         return self.overrides.get(tenant, {}).get(retention_class, self.ttl_seconds[retention_class])
-
-
-def request_error(tenant: str | None, retention_class: str | None) -> str | None:
-    """Why the tenant or class a request names is not acceptable, or None."""
-    if tenant is not None and not TENANT_PATTERN.fullmatch(tenant):
-        return "X-DeepMesh-Tenant must be 1 to 64 letters, digits, '.', '_' or '-'"
-    if retention_class is not None and retention_class not in CLASSES:
-        return f"the retention class must be one of {', '.join(CLASSES)}, not {retention_class!r}"
-    return None

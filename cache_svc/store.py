@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from cache_svc.catalog import Catalog, Entry
 from cache_svc.prefix import anchor_key, block_key, chain
-from cache_svc.retention import TENANT_PATTERN
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
 from common import metrics
+from common.api import TENANT_PATTERN
 from common.settings import Settings
 from engine.config import BLOCK_SIZE
 from engine.state_transfer import SnapshotError, StateSnapshot
@@ -87,12 +89,17 @@ class _Speed:
 
 
 class StateStore:
-    def __init__(self, catalog: Catalog, tiers: list[Tier], clock: Callable[[], float] = time.time):
+    def __init__(
+        self, catalog: Catalog, tiers: list[Tier], clock: Callable[[], float] = time.time, replica: str = "local"
+    ):
+        """`replica`: this cache replica's name, the same across its restarts (the catalog records
+        which replica wrote each entry: see reconcile)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.catalog = catalog
         self.tiers = tiers
         self.clock = clock
+        self.replica = replica
         self._lock = threading.RLock()
         self._dirty: dict[str, None] = {}  # written to T1, not yet to the tiers below (ordered set)
         self.speeds = {t.name: _Speed(ASSUMED_READ_SPEED.get(t.name, DEFAULT_READ_SPEED)) for t in tiers}
@@ -100,6 +107,9 @@ class StateStore:
             tier.load()
             metrics.CACHE_TIER_BYTES.labels(tier.name).set_function(lambda t=tier: t.used_bytes)
             metrics.CACHE_TIER_ENTRIES.labels(tier.name).set_function(lambda t=tier: len(t.lru))
+        dropped = self.reconcile()
+        if dropped:
+            log.warning("cache: %d entries the catalog listed died with the last process; forgotten", dropped)
 
     @classmethod
     def from_settings(cls, settings: Settings, clock: Callable[[], float] = time.time) -> StateStore:
@@ -112,7 +122,8 @@ class StateStore:
             tiers.append(DirectoryTier(settings.cache_shared_dir, settings.cache_shared_bytes or None, "shared", True))
         elif settings.cache_shared_redis_url:
             tiers.append(RedisTier(settings.cache_shared_redis_url, settings.cache_shared_bytes or None))
-        return cls(Catalog(settings.database_url), tiers, clock)
+        replica = settings.cache_replica or f"{socket.gethostname()}:{Path(settings.cache_dir).resolve()}"
+        return cls(Catalog(settings.database_url), tiers, clock, replica)
 
     # -- entries ----------------------------------------------------------------------------
 
@@ -133,7 +144,14 @@ class StateStore:
         full = _full_blocks(snapshot)
         # canonical: the state of exactly these tokens, whatever request computed it
         head = StateSnapshot(
-            snapshot.layout, tokens, len(tokens), len(tokens), 0, snapshot.blocks[full:], snapshot.slot
+            snapshot.layout,
+            tokens,
+            len(tokens),
+            len(tokens),
+            0,
+            snapshot.blocks[full:],
+            snapshot.slot,
+            snapshot.last_hidden,
         )
         head_blob = head.to_bytes()
         now = self.clock()
@@ -155,6 +173,7 @@ class StateStore:
                 created_at=now,
                 expires_at=now + ttl_seconds,
                 hits=0,
+                writer=self.replica,
             )
             for i, key in enumerate(keys)
         ]
@@ -308,6 +327,22 @@ class StateStore:
         self._remove(expired)
         metrics.CACHE_EXPIRED.inc(len(expired))
         return len(expired)
+
+    def reconcile(self) -> int:
+        """At start: forget the entries this replica wrote that no tier holds any more (a process
+        killed before write-behind took them along), and the anchors that needed them. Else the
+        catalog lists them, a lookup finds them, and their load fails: a miss instead of the
+        next-best prefix that did survive. Returns how many entries were dropped."""
+        shared = [t for t in self.tiers if t.shared]
+        gone = [
+            key
+            for key in self.catalog.written_by(self.replica)
+            if not any(t.holds(key) for t in self.tiers) and not any(t.exists(key) for t in shared)
+        ]
+        self.catalog.remove(gone)
+        broken = self.catalog.anchors_missing_blocks() if gone else []
+        self._remove(broken)
+        return len(gone) + len(broken)
 
     def collect_orphans(self) -> int:
         """Remove blobs no catalog entry names (a crash between a write and its record, or an

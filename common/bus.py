@@ -8,12 +8,15 @@ on both (tests/test_bus.py):
 * delivery is at-least-once: a consumer commits after it has acted on what it polled
   (typically after producing downstream), and records polled but not committed are
   delivered again to whichever consumer of the group owns the partition next;
-* `produce` returns once the record is stored (acks=all on Kafka), headers included.
+* `produce` returns once the record is stored (acks=all on Kafka), headers included;
+* a value above the claim store's threshold travels as a claim check (common/claims.py):
+  records stay within Kafka's default limits, and consumers get the whole value back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -21,6 +24,8 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from common.claims import ClaimStore
 
 Headers = dict[str, bytes]
 log = logging.getLogger(__name__)
@@ -81,6 +86,18 @@ def partition_for(key: str, partitions: int) -> int:
     return zlib.crc32(key.encode()) % partitions
 
 
+def _checked_in(claims: ClaimStore | None, records: list[tuple[str, bytes, Headers | None]]):
+    if claims is None:
+        return records
+    return [(key, claims.check_in(key, value), headers) for key, value, headers in records]
+
+
+def _checked_out(claims: ClaimStore | None, records: list[Record]) -> list[Record]:
+    if claims is None:
+        return records
+    return [dataclasses.replace(r, value=claims.check_out(r.value)) for r in records]
+
+
 # -- in-process ---------------------------------------------------------------------------------
 
 
@@ -90,7 +107,8 @@ class MemoryBus:
     busy_poll_timeout = 0.0  # a poll sees every record already produced
     idle_poll_timeout = 0.01  # a wait on a condition: waking up often costs nothing
 
-    def __init__(self) -> None:
+    def __init__(self, claims: ClaimStore | None = None) -> None:
+        self.claims = claims  # None: values of any size stay in the records (nothing limits them here)
         self._lock = threading.Lock()
         self._logs: dict[str, list[list[Record]]] = {}
         self._committed: dict[tuple[str, str, int], int] = {}  # (group, topic, partition) -> next offset
@@ -105,6 +123,7 @@ class MemoryBus:
         self.produce_batch(topic, [(key, value, headers)])
 
     def produce_batch(self, topic: str, records: list[tuple[str, bytes, Headers | None]]) -> None:
+        records = _checked_in(self.claims, records)
         with self._lock:
             if topic not in self._logs:
                 raise KeyError(f"unknown topic {topic!r} (create it first)")
@@ -162,6 +181,9 @@ class MemoryConsumer:
         self.wakeup = threading.Condition(bus._lock)
 
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
+        return _checked_out(self.bus.claims, self._poll(timeout, max_records))
+
+    def _poll(self, timeout: float, max_records: int) -> list[Record]:
         deadline = time.monotonic() + timeout
         with self.bus._lock:
             while not self.closed:
@@ -223,9 +245,11 @@ class KafkaBus:
     busy_poll_timeout = 0.002
     idle_poll_timeout = 0.1  # long enough for group joins and heartbeats to complete within a poll
 
-    def __init__(self, bootstrap: str, client_id: str = "deepmesh"):
+    def __init__(self, bootstrap: str, client_id: str = "deepmesh", claims: ClaimStore | None = None):
+        """`claims`: where values too large for a record go (None: a value over Kafka's limit fails)."""
         from kafka import KafkaProducer
 
+        self.claims = claims
         self.bootstrap = bootstrap
         self.client_id = client_id
         self._producer = KafkaProducer(
@@ -255,6 +279,7 @@ class KafkaBus:
         self.produce_batch(topic, [(key, value, headers)])
 
     def produce_batch(self, topic: str, records: list[tuple[str, bytes, Headers | None]]) -> None:
+        records = _checked_in(self.claims, records)
         # all sent before any is awaited: one round trip to the broker for the batch, not one each
         futures = [
             self._producer.send(topic, key=key.encode(), value=value, headers=list((headers or {}).items()))
@@ -264,16 +289,25 @@ class KafkaBus:
             future.get(timeout=30)
 
     def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> KafkaConsumerAdapter:
-        return KafkaConsumerAdapter(self.bootstrap, list(topics), group, self.client_id, from_beginning)
+        return KafkaConsumerAdapter(self.bootstrap, list(topics), group, self.client_id, from_beginning, self.claims)
 
     def close(self) -> None:
         self._producer.close(timeout=10)
 
 
 class KafkaConsumerAdapter:
-    def __init__(self, bootstrap: str, topics: list[str], group: str, client_id: str, from_beginning: bool = True):
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: list[str],
+        group: str,
+        client_id: str,
+        from_beginning: bool = True,
+        claims: ClaimStore | None = None,
+    ):
         from kafka import KafkaConsumer
 
+        self.claims = claims
         self._consumer = KafkaConsumer(
             bootstrap_servers=bootstrap,
             group_id=group,
@@ -306,7 +340,7 @@ class KafkaConsumerAdapter:
             for m in messages:
                 headers = {k: v for k, v in (m.headers or [])}
                 records.append(Record(m.topic, m.partition, m.offset, m.key.decode(), m.value, headers))
-        return records
+        return _checked_out(self.claims, records)
 
     def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> bool:
         from kafka.errors import KafkaError

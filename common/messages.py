@@ -43,6 +43,8 @@ def decode(raw: bytes, expected_type: str | None = None) -> Envelope:
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in err.errors())
         raise BadMessage(f"not a deepmesh envelope: {problems}") from err
+    if envelope.type == "claim":  # the bus hands over what a claim names: this one's bytes are gone or altered
+        raise BadMessage(f"the bytes of claim check {envelope.payload.get('sha256')} are missing or corrupt")
     if envelope.version != SCHEMA_VERSION:
         raise BadMessage(f"envelope version {envelope.version} is not supported (this build reads {SCHEMA_VERSION})")
     if expected_type is not None and envelope.type != expected_type:

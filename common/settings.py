@@ -15,10 +15,16 @@ class Settings(BaseSettings):
     topic_prefix: str = "deepmesh."
     topic_partitions: int = 4
     database_url: str = "sqlite:///.cache/deepmesh.db"
+    # values above claim_threshold_bytes travel as claim checks: their bytes in claim_dir, a
+    # directory every service reaches (common/claims.py)
+    claim_dir: str = ".cache/claims"
+    claim_threshold_bytes: int = 256 << 10
+    claim_ttl_seconds: float = 7 * 86400
     redis_url: str = "redis://127.0.0.1:16379/0"
     cache_url: str = "http://127.0.0.1:8100"
     model: str = ".cache/models/tiny"
     served_model_name: str = "deepmesh-tiny"
+    drain_seconds: float = 5.0  # on SIGTERM: how long answers in flight may take to finish before the exit
     log_level: str = "WARNING"
     log_format: Literal["json", "text"] = "json"
     trace_exporter: str = "jsonl"  # comma-separated: jsonl, console, otlp, none (common/tracing.py)
@@ -30,6 +36,7 @@ class Settings(BaseSettings):
     retention_overrides: dict[str, dict[str, float]] = {}  # per tenant, JSON: {"acme": {"agent": 86400}}
     # the KV cache (cache_svc): tiers, anchors, maintenance
     cache_dir: str = ".cache/kv"  # T2, this replica's local disk
+    cache_replica: str = ""  # this cache replica's name, stable across restarts; "": host name and cache_dir
     cache_memory_bytes: int = 1 << 30  # T1 capacity
     cache_disk_bytes: int = 20 << 30  # T2 capacity
     cache_shared_dir: str = ""  # T3 as a POSIX directory shared by all replicas (3FS, NFS, Lustre mount)

@@ -160,6 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cache_svc.retention import Retention
     from cache_svc.store import StateStore
     from common.bus import MemoryBus
+    from common.claims import ClaimStore
     from common.settings import Settings
     from deepmesh.mesh import Mesh
     from engine.make_model import make_model
@@ -172,8 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
         if not (model / "config.json").is_file():
             print(f"making a tiny random-weight model in {model}", file=sys.stderr)
             make_model(model, "tiny", seed=0)
-    bus = MemoryBus()
     settings = Settings()
+    bus = MemoryBus(claims=ClaimStore.from_settings(settings))  # the same claim checks as over Kafka
     mesh = Mesh(
         model,
         bus,
@@ -184,22 +185,37 @@ def _serve(args: argparse.Namespace) -> int:
         maintenance_seconds=settings.cache_maintenance_seconds,
     )
     mesh.start([mesh.tokenizer])
-    app = create_app(bus, "deepmesh.", [args.served_model_name], JobStore(settings.database_url), cache=mesh.store)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-    http = threading.Thread(target=server.run, name="http", daemon=True)
+    app = create_app(
+        bus, "deepmesh.", [args.served_model_name], JobStore(settings.database_url), cache_stats=mesh.store.stats
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=settings.drain_seconds
+    )
+    server = uvicorn.Server(config)
+    http_done = threading.Event()
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            http_done.set()
+
+    http = threading.Thread(target=serve_http, name="http", daemon=True)
     http.start()
     while not server.started:
         if not http.is_alive():
             raise ValueError(f"could not serve on {args.host}:{args.port}")
         time.sleep(0.05)
     print(f"deepmesh serving {args.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # SIGTERM drains: no new connections, the engines keep running for the answers in flight
+    # (for up to drain_seconds), then the workers stop and write-behind reaches the disk.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: mesh.stopping.set())
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     try:
-        mesh.run_engines()  # on this thread, which loaded the model: the only one that runs PyTorch
+        mesh.run_engines(until=http_done)  # on this thread, which loaded the model: the only one running PyTorch
     finally:
         server.should_exit = True
-        http.join(timeout=30)
+        http.join(timeout=settings.drain_seconds + 5)
         mesh.stop()
     return 0
 
@@ -211,6 +227,7 @@ def _service(args: argparse.Namespace) -> int:
     import uvicorn
 
     from common.bus import KafkaBus
+    from common.claims import ClaimStore
     from common.settings import Settings
     from common.topics import all_topic_names
 
@@ -225,9 +242,16 @@ def _service(args: argparse.Namespace) -> int:
         if args.dir is not None:
             settings.cache_dir = str(args.dir)
         store = StateStore.from_settings(settings)
-        uvicorn.run(create_cache_app(store), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(
+            create_cache_app(store),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=settings.drain_seconds,
+        )
         return 0
-    bus = KafkaBus(settings.kafka_bootstrap, client_id=f"deepmesh-{args.command}")
+    claims = ClaimStore.from_settings(settings)
+    bus = KafkaBus(settings.kafka_bootstrap, client_id=f"deepmesh-{args.command}", claims=claims)
     bus.create_topics(all_topic_names(settings.topic_prefix), settings.topic_partitions)
     if args.command == "gateway":
         from gateway.app import create_app
@@ -235,7 +259,9 @@ def _service(args: argparse.Namespace) -> int:
 
         app = create_app(bus, settings.topic_prefix, [settings.served_model_name], JobStore(settings.database_url))
         print(f"deepmesh gateway on http://{args.host}:{args.port}/v1", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=settings.drain_seconds
+        )
         return 0
     worker = _make_worker(args.command, bus, settings, model)
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port

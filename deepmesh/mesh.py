@@ -81,7 +81,10 @@ class Mesh:
         run_workers(self.engine_workers, until or self.stopping)
 
     def stop(self) -> None:
+        """Stop every worker, then write what only memory holds down to the cache's disk tiers:
+        a restart finds every entry the catalog lists."""
         self.stopping.set()
         for thread in self._threads:
             thread.join(timeout=30)
         self._threads.clear()
+        self.store.flush()

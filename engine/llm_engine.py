@@ -134,6 +134,7 @@ class LLMEngine:
             seed=seq.seed,
             blocks=self.cache.blocks[seq.block_table[:n_blocks]].clone(),
             slot=self.cache.read_slot(seq.slot),
+            last_hidden=seq.last_hidden,
         )
 
     def import_state(self, request_id: str, snapshot: StateSnapshot, sampling_params: SamplingParams) -> bool:
@@ -161,15 +162,15 @@ class LLMEngine:
         load that state and prefill only the rest of the prompt.
 
         The outcome is the same as add_request's: the state after a prefix does not depend on
-        what follows it, and prefill resumed at any position computes what one pass would.
-        At least one prompt token must remain to compute (its logits give the first output
-        token). Returns False, like import_state, when there was no room and the whole prompt
-        was queued for prefill instead.
+        what follows it, and prefill resumed at any position computes what one pass would. A
+        snapshot of the whole prompt (a repeat) leaves nothing to compute: the next step samples
+        the first token from the snapshot's last hidden state. Returns False, like import_state,
+        when there was no room and the whole prompt was queued for prefill instead.
         """
         self._check_snapshot(snapshot)
         prompt = self._validate_tokens(prompt_token_ids)
         cached = snapshot.num_computed
-        if cached >= len(prompt):
+        if cached > len(prompt) or (cached == len(prompt) and snapshot.last_hidden is None):
             raise SnapshotError(f"a {cached}-token prefix leaves nothing to compute of a {len(prompt)}-token prompt")
         if list(snapshot.token_ids[:cached]) != prompt[:cached]:
             raise SnapshotError("the snapshot's tokens are not a prefix of the prompt")
@@ -205,6 +206,8 @@ class LLMEngine:
             self.cache.blocks[seq.block_table] = snapshot.blocks.to(self.cache.blocks.device)
         self.cache.write_slot(seq.slot, {k: v.to(self.device) for k, v in snapshot.slot.items()})
         seq.num_computed = snapshot.num_computed
+        if snapshot.last_hidden is not None:
+            seq.last_hidden = snapshot.last_hidden.to(self.device, self.dtype)
         self.scheduler.add_running(seq)
         return True
 
@@ -260,28 +263,33 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        # imported with every token computed (a repeated prompt): sampled from their last hidden state
+        computed = [seq for seq in self.scheduler.running if seq.num_pending == 0]
         batch = self.scheduler.schedule()
         self.last_step_tokens = sum(batch.num_tokens) if batch else 0
-        if batch is None:
-            return outputs
-        slices, token_ids, last_rows, sampled = [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
-            token_ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
-            if seq.num_computed + n == seq.num_tokens:
-                last_rows.append(len(token_ids) - 1)
-                sampled.append(seq)
-        step = StepInput(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
-        hidden = self.model(step, self.cache)
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            seq.num_computed += n
-            if seq.snapshot_at and seq.num_computed == seq.snapshot_at[0]:
-                seq.snapshot_at.pop(0)
-                prefix = self._snapshot(seq, prefix_only=True)
-                outputs.append(RequestOutput(seq.request_id, [], [], False, None, prefix_state=prefix))
+        sampled = [seq for seq in computed if seq in self.scheduler.running]  # not preempted to make room
+        rows = [seq.last_hidden for seq in sampled]
+        if batch is not None:
+            slices, token_ids, ends = [], [], []
+            for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+                slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
+                token_ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+                ends.append(len(token_ids) - 1)
+            step = StepInput(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
+            last = self.model(step, self.cache)[ends].clone()  # each sequence's last token of the step
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+                seq.num_computed += n
+                seq.last_hidden = last[i]
+                if seq.snapshot_at and seq.num_computed == seq.snapshot_at[0]:
+                    seq.snapshot_at.pop(0)
+                    prefix = self._snapshot(seq, prefix_only=True)
+                    outputs.append(RequestOutput(seq.request_id, [], [], False, None, prefix_state=prefix))
+                if seq.num_computed == seq.num_tokens:
+                    sampled.append(seq)
+                    rows.append(last[i])
         if not sampled:
             return outputs
-        logits = self.model.compute_logits(hidden[last_rows])
+        logits = self.model.compute_logits(torch.stack(rows))
         tokens, logprobs = self.sampler(logits, sampled)
         for seq, token, logprob in zip(sampled, tokens, logprobs, strict=True):
             seq.output_token_ids.append(token)

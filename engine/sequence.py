@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.state_transfer import StateSnapshot
 
 
@@ -70,6 +72,8 @@ class Sequence:
     # prompt positions (ascending) after which the engine hands back a copy of the state, so a
     # prefix cache can store it; a prefill chunk ends at each of them
     snapshot_at: list[int] = field(default_factory=list)
+    # the final hidden state of the last computed token (a row of the step that computed it)
+    last_hidden: torch.Tensor | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -20,7 +20,7 @@ from safetensors.torch import load, save
 from engine.config import BLOCK_SIZE, ModelConfig
 from engine.errors import EngineError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the last computed token's hidden state
 
 
 class SnapshotError(EngineError):
@@ -52,6 +52,9 @@ class StateSnapshot:
     seed: int
     blocks: torch.Tensor  # [ceil(num_computed / 128), block row]
     slot: dict[str, torch.Tensor] = field(default_factory=dict)  # window rings and open windows
+    # the final hidden state of token num_computed - 1: its logits give the next token, so a
+    # prompt that is exactly these tokens is answered without computing any of them again
+    last_hidden: torch.Tensor | None = None
 
     def to_bytes(self) -> bytes:
         meta = {
@@ -62,6 +65,8 @@ class StateSnapshot:
             "seed": str(self.seed),
         }
         tensors = {"blocks": self.blocks.contiguous(), **{f"slot.{k}": v.contiguous() for k, v in self.slot.items()}}
+        if self.last_hidden is not None:
+            tensors["last_hidden"] = self.last_hidden.contiguous()
         return save(tensors, metadata=meta)
 
     @classmethod
@@ -70,6 +75,7 @@ class StateSnapshot:
             header_len = int.from_bytes(data[:8], "little")
             meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
             tensors = load(data)
+            last_hidden = tensors.pop("last_hidden", None)
             return cls(
                 layout=meta["layout"],
                 token_ids=json.loads(meta["token_ids"]),
@@ -78,6 +84,7 @@ class StateSnapshot:
                 seed=int(meta["seed"]),
                 blocks=tensors.pop("blocks"),
                 slot={k.removeprefix("slot."): v for k, v in tensors.items()},
+                last_hidden=last_hidden,
             )
         except Exception as err:  # any malformed input is the same problem for the caller
             raise SnapshotError(f"unreadable state snapshot: {err}") from err

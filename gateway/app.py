@@ -10,28 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cache_svc.retention import request_error
-from cache_svc.store import StateStore
 from common import metrics
+from common.api import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    error_body,
+    frame,
+    parse_object,
+    protocol_problem,
+    result_frames,
+    server_error_kind,
+    tenancy_problem,
+)
 from common.bus import Bus
 from common.messages import Envelope, RequestPayload, ResultPayload
 from common.topics import Topic, topic_name
 from common.tracing import Span, SpanKind, headers_of, http_telemetry, job_span, start_span
+from gateway import schemas
 from gateway.jobs import FINAL, JobStore
 from gateway.results import JobRecorder, ResultRouter
-from gateway.sse import frame, result_frames
 
-MAX_BODY_BYTES = 8 << 20
+JSON_MEDIA_TYPE = re.compile(r"application/(.+\+)?json", re.IGNORECASE)
 
 
 @dataclass
@@ -82,19 +94,28 @@ async def client_gone(request: Request) -> None:
         pass
 
 
+async def read_body(request: Request) -> bytes:
+    """The body, or BadRequest (413) past MAX_BODY_BYTES: the rest is then read and dropped, so
+    the connection stays usable for the client's next request."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY_BYTES:
+            chunks.append(chunk)
+    if size > MAX_BODY_BYTES:
+        raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
+    return b"".join(chunks)
+
+
 def protocol_error(endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An error in the endpoint's own format: OpenAI's for chat and responses, Anthropic's for messages."""
-    if endpoint == "messages":
-        body = {"type": "error", "error": {"type": kind, "message": message}}
-    else:
-        body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(endpoint, message, kind), status_code=status)
 
 
 def queue_unavailable(endpoint: str) -> JSONResponse:
     """503 with Retry-After: nothing was accepted, so a retry is safe."""
-    kind = "api_error" if endpoint == "messages" else "server_error"
-    response = protocol_error(endpoint, 503, "the request queue is unavailable; retry shortly", kind)
+    message = "the request queue is unavailable; retry shortly"
+    response = protocol_error(endpoint, 503, message, server_error_kind(endpoint))
     response.headers["Retry-After"] = "1"
     return response
 
@@ -113,10 +134,10 @@ def create_app(
     served_models: list[str],
     jobs: JobStore,
     result_timeout: float = 600.0,
-    cache: StateStore | None = None,
+    cache_stats: Callable[[], dict] | None = None,
 ) -> FastAPI:
-    """The API over the bus. `cache`: the embedded mode's KV cache, whose stats the gateway then
-    serves at GET /v1/cache/stats (distributed, the cache service serves them itself)."""
+    """The API over the bus. `cache_stats`: the embedded mode's KV cache statistics, which the
+    gateway then serves at GET /v1/cache/stats (distributed, the cache service serves them)."""
     results_topic = topic_name(Topic.RESULTS, topic_prefix)
     router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
     recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs)
@@ -134,18 +155,32 @@ def create_app(
 
     app = FastAPI(title="deepmesh", version="0.1.0", lifespan=lifespan, telemetry=http_telemetry())
 
+    def endpoint_of(request: Request) -> str:
+        return "messages" if request.url.path.startswith("/v1/messages") else "chat.completions"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        """An unknown path or method, in the protocol's error shape (not FastAPI's `detail`)."""
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(err.status_code, "invalid_request_error")
+        response = protocol_error(endpoint_of(request), err.status_code, str(err.detail), kind)
+        response.headers.update(err.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        """A fault of ours still answers in the protocol's shape, and the connection stays usable."""
+        endpoint = endpoint_of(request)
+        return protocol_error(endpoint, 500, "internal error", server_error_kind(endpoint))
+
     async def read_object(endpoint: str, request: Request) -> dict | Response:
-        """The JSON object in the request, or the protocol's error response."""
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return protocol_error(endpoint, 413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        """The JSON object in the request, or the protocol's error response (common/api.py)."""
+        media_type = request.headers.get("content-type", "").split(";")[0].strip()
+        if not JSON_MEDIA_TYPE.fullmatch(media_type):
+            return protocol_error(endpoint, 415, f"Content-Type must be application/json, not {media_type!r}")
         try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            return protocol_error(endpoint, 400, f"malformed JSON body: {err}")
-        if not isinstance(body, dict):
-            return protocol_error(endpoint, 400, "the request body must be a JSON object")
-        return body
+            return parse_object(await read_body(request))
+        except BadRequest as err:
+            return protocol_error(endpoint, err.status, str(err))
 
     def cache_options(endpoint: str, request: Request, body: dict) -> dict | Response:
         """The tenant and retention class the request names, or the protocol's error. The class
@@ -159,7 +194,7 @@ def create_app(
             if retention is not None and extension.get("retention") not in (None, retention):
                 return protocol_error(endpoint, 400, "the retention header and body field disagree")
             retention = retention or extension.get("retention")
-        problem = request_error(tenant, retention)
+        problem = tenancy_problem(tenant, retention)
         if problem is not None:
             return protocol_error(endpoint, 400, problem)
         return {"tenant": tenant or "default", "retention": retention}
@@ -216,6 +251,8 @@ def create_app(
         options = cache_options(endpoint, request, body)
         if isinstance(options, Response):
             return options
+        if problem := protocol_problem(endpoint, body):
+            return protocol_error(endpoint, 400, problem)
         queue = router.watch(job_id)
         gone = asyncio.create_task(client_gone(request))
         streaming = False
@@ -266,19 +303,19 @@ def create_app(
             router.forget(call.job_id)
             call.end(200)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=schemas.request_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return await serve("chat.completions", request)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=schemas.request_body("ResponsesRequest"))
     async def responses(request: Request) -> Response:
         return await serve("responses", request)
 
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", openapi_extra=schemas.request_body("MessagesRequest"))
     async def messages(request: Request) -> Response:
         return await serve("messages", request)
 
-    @app.post("/v1/jobs", status_code=202)
+    @app.post("/v1/jobs", status_code=202, openapi_extra=schemas.request_body("JobRequest"))
     async def submit_job(request: Request) -> Response:
         envelope = await read_object("jobs", request)
         if isinstance(envelope, Response):
@@ -291,6 +328,8 @@ def create_app(
         options = cache_options("jobs", request, body)
         if isinstance(options, Response):
             return options
+        if problem := protocol_problem(endpoint, body):
+            return protocol_error("jobs", 400, problem)
         job_id = uuid.uuid4().hex
         with job_span("submit job", job_id, **{"deepmesh.endpoint": endpoint}) as span:
             job = await asyncio.to_thread(jobs.create, job_id, endpoint, {**body, "stream": False})
@@ -340,11 +379,11 @@ def create_app(
 
         return StreamingResponse(replay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    if cache is not None:
+    if cache_stats is not None:
 
         @app.get("/v1/cache/stats")
-        async def cache_stats() -> dict:
-            return await asyncio.to_thread(cache.stats)
+        async def stats_of_the_cache() -> dict:
+            return await asyncio.to_thread(cache_stats)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -366,4 +405,13 @@ def create_app(
         ready = router.ready.is_set()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
+    def openapi() -> dict:
+        """FastAPI's document, with the protocols' request bodies (gateway/schemas.py)."""
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas.components())
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -20,6 +20,7 @@ from cache_svc.prefix import namespace_of
 from cache_svc.retention import Retention
 from cache_svc.store import PrefixMatch, StateStore, Stored
 from common import metrics
+from common.api import error_body
 from common.bus import Bus, Record
 from common.messages import (
     BadMessage,
@@ -60,6 +61,7 @@ class _Job:
 
 
 log = logging.getLogger(__name__)
+LOAD_ATTEMPTS = 3  # stored prefixes tried, longest first, before computing the whole prompt
 
 
 class PrefillWorker(EngineWorker):
@@ -135,22 +137,28 @@ class PrefillWorker(EngineWorker):
 
     def _fetch(self, job_id: str, job: _Job) -> _Fetched:
         """On a fetch thread: the longest stored prefix of the job's prompt (its tenant's), loaded
-        if it is worth loading. No engine work here: the engine has one thread."""
+        if it is worth loading. A prefix that fails to load (lost with a cache process, corrupt)
+        is dropped by the store, and the next-longest is tried. No engine work here: the engine
+        has one thread."""
         prompt = job.payload.prompt_token_ids
+        below = len(prompt) + 1  # the whole prompt too: a repeat is answered from its last hidden state
         with within(job.span, job_id):
-            with job_span("cache.lookup", job_id, kind=SpanKind.CLIENT):
-                match = self.store.lookup(job.namespace, prompt, below=len(prompt))
-            anchors = anchor_positions(len(prompt), match, self.anchor_interval)
-            if match.key is None:
-                return _Fetched(None, anchors)
-            if self._too_slow_to_load(match):
-                metrics.CACHE_MISSES.labels("too_slow").inc()  # the store counts the other reasons
-                return _Fetched(None, anchors)
-            with job_span("cache.load", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": match.size}):
-                snapshot, _ = self.store.load(match.key, renew_seconds=job.ttl)  # a hit keeps it longer
-            if snapshot is not None:
-                metrics.STATE_BYTES.labels("get").inc(match.size)
-            return _Fetched(snapshot, anchors)
+            for _ in range(LOAD_ATTEMPTS):
+                with job_span("cache.lookup", job_id, kind=SpanKind.CLIENT):
+                    match = self.store.lookup(job.namespace, prompt, below=below)
+                anchors = anchor_positions(len(prompt), match, self.anchor_interval)
+                if match.key is None:
+                    return _Fetched(None, anchors)
+                if self._too_slow_to_load(match):
+                    metrics.CACHE_MISSES.labels("too_slow").inc()  # the store counts the other reasons
+                    return _Fetched(None, anchors)
+                with job_span("cache.load", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": match.size}):
+                    snapshot, _ = self.store.load(match.key, renew_seconds=job.ttl)  # a hit keeps it longer
+                if snapshot is not None:
+                    metrics.STATE_BYTES.labels("get").inc(match.size)
+                    return _Fetched(snapshot, anchors)
+                below = match.num_tokens  # that one is gone: a shorter one may not be
+        return _Fetched(None, anchor_positions(len(prompt), PrefixMatch(), self.anchor_interval))
 
     def _admit(self, job_id: str, job: _Job) -> None:
         """Start a job whose fetch is done: from its prefix if it has one, else from scratch."""
@@ -295,8 +303,7 @@ class PrefillWorker(EngineWorker):
         self.fetcher = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="prefill-fetch")
 
     def _fail(self, job_id: str, reason: str, span: Span) -> None:
-        error = {"error": {"message": reason, "type": "invalid_request_error", "param": None, "code": None}}
-        result = ResultPayload(done=True, status=400, body=error)
+        result = ResultPayload(done=True, status=400, body=error_body(self.jobs[job_id].payload.endpoint, reason))
         self.hop(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=result.model_dump()), span)
 
 

@@ -4,18 +4,24 @@ The same tests run against the embedded mode (tests/test_gateway.py: every servi
 process over the in-process bus) and the distributed mode (tests/test_distributed.py:
 every service in its own OS process over Apache Kafka and PostgreSQL). Both modules provide:
 
-* `service`: url, model (checkpoint path), decode_running() and pinned_by(job_id) (cache leases);
+* `service`: url, model (checkpoint path), decode_running() and pinned_by(job_id) (cache leases),
+  bus and prefix (the deployment's topics);
 * `scripted`: url and stage, a gateway and tokenizer whose prefill and decode are a
   ScriptedModel (see there).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -24,11 +30,14 @@ import pytest
 import uvicorn
 from tokenizers import Tokenizer
 
-from common.bus import Bus
-from common.messages import Envelope, JobStart, PrefillPayload, TokensPayload, decode
-from common.topics import Topic, topic_name
+from common.bus import Bus, MemoryBus
+from common.claims import ClaimStore
+from common.messages import Envelope, JobStart, PrefillPayload, RequestPayload, ResultPayload, TokensPayload, decode
+from common.topics import Topic, all_topic_names, topic_name
 from engine import LLMEngine, SamplingParams
+from gateway.app import create_app
 from tokenizer_svc.protocol import Codec
+from tokenizer_svc.worker import TokenizerWorker
 
 MODEL = "deepmesh-tiny"
 QUESTION = [{"role": "user", "content": "What is a Kafka partition?"}]
@@ -138,6 +147,27 @@ class ScriptedModel:
             self._consumer.close()
 
 
+@contextmanager
+def scripted_gateway(model: Path, jobs, claims: Path, **app_options) -> Iterator[SimpleNamespace]:
+    """A gateway and a tokenizer over the in-process bus, whose prefill and decode are a
+    ScriptedModel: url, app and stage."""
+    bus, prefix = MemoryBus(ClaimStore(claims)), f"scripted{uuid.uuid4().hex[:6]}."
+    bus.create_topics(all_topic_names(prefix), 2)
+    tokenizer = TokenizerWorker(bus, prefix, Codec.for_model(model, MODEL))
+    stop = threading.Event()
+    thread = threading.Thread(target=tokenizer.run, args=(stop,), daemon=True)
+    thread.start()
+    stage = ScriptedModel(bus, prefix, model).start()
+    app = create_app(bus, prefix, [MODEL], jobs, **app_options)
+    try:
+        with ServerThread(app) as server:
+            yield SimpleNamespace(url=server.url, app=app, stage=stage)
+    finally:
+        stage.stop()
+        stop.set()
+        thread.join(timeout=30)
+
+
 def sse_events(response: httpx.Response) -> list[tuple[str | None, str]]:
     events, name = [], None
     for line in response.iter_lines():
@@ -164,6 +194,67 @@ def eventually(check, timeout: float, what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
+
+
+def hostile_bodies() -> list[tuple[str, bytes, str, int]]:
+    """(path, body, content type, status): what clients and fuzzers send that no protocol allows."""
+    chat = '{"model": "' + MODEL + '", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]'
+
+    def nested(depth: int) -> bytes:
+        return ('{"model": "' + MODEL + '", "messages": ' + "[" * depth + "]" * depth + "}").encode()
+
+    return [
+        ("/v1/chat/completions", nested(1_000), "application/json", 400),
+        ("/v1/chat/completions", nested(200_000), "application/json", 400),
+        ("/v1/chat/completions", chat.replace("hi", "\\ud800").encode(), "application/json", 400),
+        ("/v1/chat/completions", (chat + ', "temperature": NaN}').encode(), "application/json", 400),
+        ("/v1/chat/completions", (chat + ', "top_p": Infinity}').encode(), "application/json", 400),
+        ("/v1/chat/completions", (chat + ', "temperature": 1e999}').encode(), "application/json", 400),
+        ("/v1/chat/completions", (chat + f', "seed": {2**70}}}').encode(), "application/json", 400),
+        (
+            "/v1/chat/completions",
+            chat.replace('"max_tokens": 2', f'"max_tokens": {10**30}').encode() + b"}",
+            "application/json",
+            400,
+        ),
+        ("/v1/chat/completions", (chat + "}").encode(), "text/plain", 415),
+        ("/v1/chat/completions", (chat + "}").encode(), "", 415),
+        ("/v1/chat/completions", b"{not json", "application/json", 400),
+        ("/v1/chat/completions", b"\xff\xfe", "application/json", 400),
+        ("/v1/messages", json.dumps({"model": MODEL, "messages": QUESTION}).encode(), "application/json", 400),
+        ("/v1/messages", b"[1, 2]", "application/json", 400),
+        ("/v1/responses", b"x" * (9 << 20), "application/json", 413),
+        ("/v1/jobs", b'{"endpoint": "chat.completions", "body": {"temperature": NaN}}', "application/json", 400),
+    ]
+
+
+class RawConnection:
+    """One HTTP/1.1 connection, kept: a request on it after a server that closed it fails."""
+
+    def __init__(self, url: str):
+        host, port = url.removeprefix("http://").split(":")
+        self.http = http.client.HTTPConnection(host, int(port), timeout=60)
+        self.http.auto_open = 0  # never reconnect behind the test's back
+        self.http.connect()
+
+    def post(self, path: str, body: bytes, content_type: str) -> tuple[int, dict, dict]:
+        headers = {"Content-Type": content_type} if content_type else {}
+        self.http.request("POST", path, body=body, headers=headers)
+        response = self.http.getresponse()
+        data = response.read()
+        return response.status, dict(response.getheaders()), json.loads(data) if data else {}
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def protocol_error_message(path: str, body: dict) -> str:
+    """The message of an error body, asserting the endpoint's own shape."""
+    if path == "/v1/messages":
+        assert body["type"] == "error", body
+        return body["error"]["message"]
+    assert set(body) == {"error"} and {"message", "type"} <= set(body["error"]), body
+    return body["error"]["message"]
 
 
 class SDKClients:
@@ -302,12 +393,88 @@ class GatewayBehaviour(SDKClients):
                 tools=[{"name": "bad name!", "input_schema": {"type": "object"}}],
             )
         assert caught.value.body["type"] == "error"
-        malformed = httpx.post(f"{service.url}/v1/chat/completions", content=b"{not json", timeout=30)
+        malformed = httpx.post(
+            f"{service.url}/v1/chat/completions",
+            content=b"{not json",
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
         assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]["message"]
         listed = httpx.post(f"{service.url}/v1/messages", json=[1, 2], timeout=30)
         assert listed.status_code == 400 and listed.json()["type"] == "error"
-        huge = httpx.post(f"{service.url}/v1/responses", content=b"x" * (9 << 20), timeout=30)
+        huge = httpx.post(
+            f"{service.url}/v1/responses",
+            content=b"x" * (9 << 20),
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
         assert huge.status_code == 413
+
+    def test_hostile_bodies_get_a_4xx_in_the_protocols_shape_on_a_connection_that_stays_usable(self, service):
+        """Deep nesting, lone surrogates, NaN and Infinity, numbers out of range, the wrong
+        Content-Type, an Anthropic request without max_tokens: each a 4xx with the protocol's
+        error body, and the next request on the same connection is answered."""
+        connection = RawConnection(service.url)
+        good = json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": 2}).encode()
+        try:
+            for path, body, content_type, status in hostile_bodies():
+                answer = connection.post(path, body, content_type)
+                assert answer[0] == status, (path, body[:80], answer)
+                assert protocol_error_message(path, answer[2]), answer
+                assert answer[1].get("connection") != "close", (path, body[:80], answer[1])
+                assert connection.post("/v1/chat/completions", good, "application/json")[0] == 200, (path, body[:80])
+            # a surrogate pair is a character: accepted
+            pair = good.replace(b"Kafka", b"\\ud83d\\ude00")
+            assert connection.post("/v1/chat/completions", pair, "application/json; charset=utf-8")[0] == 200
+        finally:
+            connection.close()
+
+    def test_a_request_that_breaks_the_protocol_layer_fails_alone(self, service, oai):
+        """Requests produced straight to `requests` (a public interface, so past the gateway's
+        checks) with numbers the recipe cannot hold and NaN sampling: each is answered with its
+        error; normal requests sent with them are answered as usual."""
+        requests_topic = topic_name(Topic.REQUESTS, service.prefix)
+        results = service.bus.consumer([topic_name(Topic.RESULTS, service.prefix)], f"test-{time.time_ns()}")
+        base = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
+        poison = {
+            "seed": {**base, "seed": 2**70},
+            "max_tokens": {**base, "max_tokens": 10**30},
+            "temperature": {**base, "temperature": float("nan")},
+            "top_p": {**base, "top_p": float("inf")},
+        }
+        ids = {name: f"poison-{name}-{time.time_ns()}" for name in poison}
+        for name, body in poison.items():
+            envelope = Envelope(
+                type="request",
+                job_id=ids[name],
+                payload=RequestPayload(endpoint="chat.completions", body={}).model_dump(),
+            )
+            raw = json.dumps({**envelope.model_dump(), "payload": {**envelope.payload, "body": body}}).encode()
+            service.bus.produce(requests_topic, ids[name], raw)
+        answers = []
+        callers = [
+            threading.Thread(target=lambda: answers.append(oai.chat.completions.create(**base))) for _ in range(6)
+        ]
+        for caller in callers:
+            caller.start()
+        errors: dict[str, ResultPayload] = {}
+        deadline = time.monotonic() + 120
+        try:
+            while len(errors) < len(ids) and time.monotonic() < deadline:
+                for record in results.poll(timeout=0.5):
+                    if record.key in ids.values():
+                        result = ResultPayload.model_validate(decode(record.value).payload)
+                        if result.done:
+                            errors[record.key] = result
+        finally:
+            results.close()
+        for caller in callers:
+            caller.join(timeout=120)
+        assert len(answers) == 6 and all(a.choices[0].finish_reason for a in answers)
+        assert sorted(errors) == sorted(ids.values()), "a request was never answered"
+        for name, job_id in ids.items():
+            assert errors[job_id].status == 400, (name, errors[job_id])
+            assert protocol_error_message("/v1/chat/completions", errors[job_id].body), name
 
     def test_async_job_submit_poll_and_replay(self, service):
         body = {"model": MODEL, "messages": QUESTION, "max_tokens": 10, "stream": True}  # a job never streams
@@ -377,7 +544,8 @@ class GatewayBehaviour(SDKClients):
                 chunks += line.startswith("data: ")
                 if chunks == 5:
                     break
-            assert (running := service.decode_running()) == 1, f"decode runs {running} jobs"
+            # the job is in decode (a gauge scraped over HTTP from another process: allowed a moment)
+            eventually(lambda: service.decode_running() == 1, 5, "the streamed job is not in decode")
         eventually(lambda: service.decode_running() == 0, 2, "decode went on with a stream nobody reads")
 
         timed_out = []

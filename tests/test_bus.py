@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import uuid
 
 import pytest
 
 from common.bus import Bus, KafkaBus, MemoryBus, Record
+from common.claims import ClaimStore
+from common.messages import BadMessage, Envelope, decode
 from tests.infra import require_service
 
 
 @pytest.fixture(params=["memory", "kafka"])
-def bus(request):
+def bus(request, tmp_path):
+    claims = ClaimStore(tmp_path / "claims")
     if request.param == "memory":
-        instance: Bus = MemoryBus()
+        instance: Bus = MemoryBus(claims)
     else:
-        instance = KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
+        instance = KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"), claims=claims)
     yield instance
     instance.close()
 
@@ -134,3 +139,37 @@ def test_memory_bus_shares_partitions_within_a_group():
     assert got_a and got_b
     assert len(got_a) + len(got_b) == 40
     assert not {(r.partition, r.offset) for r in got_a} & {(r.partition, r.offset) for r in got_b}
+
+
+def test_values_too_large_for_a_record_travel_as_claim_checks(bus):
+    """A 3 MB value (over Kafka's default 1 MB record limit) is stored beside the bus and the
+    record carries a claim for it: Kafka's own client reads a small record naming the bytes;
+    ours hands back the whole value. A claim whose bytes are gone is a clear BadMessage."""
+    topic = fresh(bus, partitions=1)
+    big = Envelope(type="request", job_id="big", payload={"text": "x" * (3 << 20)}).encode()
+    bus.produce(topic, "big", big)
+    bus.produce(topic, "small", b"small")
+    consumer = bus.consumer([topic], group=f"g-{uuid.uuid4().hex[:8]}")
+    records = poll_until(consumer, 2)
+    consumer.close()
+    assert [(r.key, r.value) for r in records] == [("big", big), ("small", b"small")]
+    digest = hashlib.sha256(big).hexdigest()
+    assert (bus.claims.root / digest[:2] / digest).read_bytes() == big
+    if isinstance(bus, KafkaBus):
+        from kafka import KafkaConsumer
+
+        raw = KafkaConsumer(
+            topic, bootstrap_servers=bus.bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=10_000
+        )
+        stored = [m.value for m in raw][:2]
+        raw.close()
+        claim = json.loads(stored[0])
+        assert len(stored[0]) < 1024 and claim["type"] == "claim" and claim["job_id"] == "big"
+        assert claim["payload"]["sha256"] == digest and claim["payload"]["size"] == len(big)
+        assert stored[1] == b"small"
+    (bus.claims.root / digest[:2] / digest).unlink()
+    consumer = bus.consumer([topic], group=f"g-{uuid.uuid4().hex[:8]}")
+    gone = poll_until(consumer, 2)[0]
+    consumer.close()
+    with pytest.raises(BadMessage, match="missing or corrupt"):
+        decode(gone.value)

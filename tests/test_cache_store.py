@@ -47,7 +47,7 @@ def make_store(tmp_path, database, clock, memory=None, disk=None, shared=None, n
     tiers = [MemoryTier(memory), DirectoryTier(tmp_path / f"{name}-disk", disk)]
     if shared is not None:
         tiers.append(shared)
-    return StateStore(Catalog(database), tiers, clock)
+    return StateStore(Catalog(database), tiers, clock, replica=name)
 
 
 def tokens(n: int, start: int = 0) -> list[int]:
@@ -205,6 +205,23 @@ def test_persisted_tiers_survive_a_restart(tmp_path, database, clock):
     assert restarted.tiers[1].used_bytes > 0 and not restarted.tiers[0].lru
     assert restarted.lookup(NS, tokens(501), below=501).key == key
     assert same(restarted.load(key)[0], snapshot_of(tokens(500)))
+
+
+def test_a_restart_forgets_what_only_memory_held_and_only_its_own(tmp_path, database, clock):
+    """A replica stopped before write-behind (killed): at its restart the catalog no longer lists
+    what died with its memory, so a lookup finds the longest prefix that survived, not a dead
+    one; another replica's entries, still only in that replica's memory, stay listed."""
+    store = make_store(tmp_path, database, clock, name="a")
+    other = make_store(tmp_path, database, clock, name="b")
+    survivor = put(store, tokens(300))
+    store.flush()
+    lost = put(store, tokens(600))  # extends the survivor; never written behind
+    theirs = put(other, tokens(400, start=10_000))
+    restarted = make_store(tmp_path, database, clock, name="a")  # a's memory is gone
+    assert restarted.lookup(NS, tokens(601), below=602).key == survivor
+    assert same(restarted.load(survivor)[0], snapshot_of(tokens(300)))
+    assert lost not in restarted.catalog.get([lost])
+    assert theirs in restarted.catalog.get([theirs]) and other.load(theirs)[0] is not None
 
 
 @pytest.mark.parametrize("backend", ["directory", "redis"])

