@@ -543,9 +543,10 @@ class GatewayBehaviour(SDKClients):
             for line in response.iter_lines():
                 chunks += line.startswith("data: ")
                 if chunks == 5:
+                    # still reading: the job is in decode. (Leaving this loop closes the connection:
+                    # httpx closes the stream with the iterator, so this is the last moment to look.)
+                    assert (running := service.decode_running()) == 1, f"decode runs {running} jobs"
                     break
-            # the job is in decode (a gauge scraped over HTTP from another process: allowed a moment)
-            eventually(lambda: service.decode_running() == 1, 5, "the streamed job is not in decode")
         eventually(lambda: service.decode_running() == 0, 2, "decode went on with a stream nobody reads")
 
         timed_out = []
