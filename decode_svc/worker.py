@@ -1,21 +1,28 @@
-"""The decode service: imports each job's prefilled state and decodes all of them together."""
+"""The decode service: imports each job's prefilled state and decodes all of them together.
+
+A job's state is loaded from the cache on a fetch thread while the engine keeps stepping the
+others; the job joins the batch once it has arrived (or, if it is gone, to be recomputed from
+its tokens). A finished job's state is stored, as where its conversation's next turn can
+resume, on the same threads.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from cache_svc.prefix import namespace_of
 from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
 from common.messages import BadMessage, DecodePayload, Envelope, JobStart, TokensPayload, payload_of
 from common.topics import Topic
-from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span, within
+from common.tracing import Span, SpanKind, context_of, headers_of, start_span, within
 from common.worker import EarlyCancels, EngineWorker
 from engine import EngineError, LLMEngine, SamplingParams, StateSnapshot
+from engine.prefix_connector import PrefixConnector
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +31,10 @@ log = logging.getLogger(__name__)
 class _Job:
     payload: DecodePayload
     span: Span  # from the job's arrival to its last token
+    record: Record
     headers: dict[str, bytes] = field(default_factory=dict)  # the span's context, on every tokens message
-    sent: int = 1  # tokens sent: the first (prefill's) goes out with the start when the job arrives
+    sent: int = 1  # tokens sent: the first (prefill's) goes out with the start when the job joins the engine
+    fetch: Future[StateSnapshot | None] | None = None  # until its state has been loaded (or found gone)
 
 
 class DecodeWorker(EngineWorker):
@@ -33,15 +42,22 @@ class DecodeWorker(EngineWorker):
     group = "decode"
 
     def __init__(
-        self, bus: Bus, topic_prefix: str, engine: LLMEngine, store: StateStore, retention: Retention | None = None
+        self,
+        bus: Bus,
+        topic_prefix: str,
+        engine: LLMEngine,
+        store: StateStore,
+        retention: Retention | None = None,
+        fetch_threads: int = 2,
     ):
         super().__init__(bus, topic_prefix)
         self.engine = engine
-        self.store = store
-        self.retention = retention or Retention()
+        self.cache = PrefixConnector(store, engine.layout, retention)
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()
         self.loaded = self.recomputed = 0
+        self.fetch_threads = fetch_threads
+        self.fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="decode-fetch")
 
     @property
     def busy(self) -> bool:
@@ -57,26 +73,46 @@ class DecodeWorker(EngineWorker):
             except BadMessage as err:
                 self.dead_letter(record, err)
                 continue
-            if envelope.job_id in self.jobs:  # a replay of a job already running here (a prefill did it twice)
-                self._release(envelope.job_id, payload)
+            job_id = envelope.job_id
+            if job_id in self.jobs or self.cancelled.take(job_id):
+                # a replay of a job here (a prefill did it twice), or one cancelled before it came:
+                # free the state prefill left for it
+                self._release(job_id, payload)
                 self.watermarks.seen(record)
                 continue
-            if self.cancelled.take(envelope.job_id):  # never started: free the state prefill left for it
-                self._release(envelope.job_id, payload)
-                self.watermarks.seen(record)
-                continue
-            span = start_span("decode", envelope.job_id, context_of(record.headers), SpanKind.CONSUMER)
-            try:
-                with within(span, envelope.job_id):
-                    self._start(envelope.job_id, payload, span)
-            except EngineError as err:  # input the engine refuses: nothing to decode
-                span.end()
-                self.dead_letter(record, err)
-                continue
-            self.watermarks.hold(record, envelope.job_id)
+            span = start_span("decode", job_id, context_of(record.headers), SpanKind.CONSUMER)
+            job = self.jobs[job_id] = _Job(payload, span, record, headers_of(span))
+            job.fetch = self.fetcher.submit(self._fetch, job_id, job)
+            self.watermarks.hold(record, job_id)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
-    def _start(self, job_id: str, payload: DecodePayload, span: Span) -> None:
+    def _fetch(self, job_id: str, job: _Job) -> StateSnapshot | None:
+        """On a fetch thread: the prompt's state prefill stored, as this job's (None: recompute)."""
+        payload, kv = job.payload, job.payload.kv
+        if kv is None:
+            return None
+        with within(job.span, job_id):
+            snapshot = self.cache.load_handoff(job_id, kv.key, kv.layout, kv.size, payload.prompt_token_ids)
+        if snapshot is not None:
+            # an anchor holds the state of its tokens alone: this job continues it from its first token
+            prompt = payload.prompt_token_ids
+            snapshot.token_ids, snapshot.prompt_len, snapshot.seed = (
+                [*prompt, payload.first_token],
+                len(prompt),
+                payload.seed,
+            )
+        return snapshot
+
+    def _admit(self, job_id: str, job: _Job) -> None:
+        """Start a job whose state has arrived (or is gone: recomputed from its tokens)."""
+        assert job.fetch is not None
+        try:
+            snapshot = job.fetch.result()
+        except Exception:  # a cache that fails means recomputing, never a lost job
+            log.exception("loading the state of %s failed", job_id)
+            snapshot = None
+        job.fetch = None
+        payload = job.payload
         sampling = payload.sampling
         params = SamplingParams(
             max_tokens=sampling.max_tokens,
@@ -85,19 +121,26 @@ class DecodeWorker(EngineWorker):
             seed=payload.seed,
             keep_final_state=True,  # stored below as where the conversation's next turn can resume
         )
-        with job_span("cache.load", job_id, kind=SpanKind.CLIENT):
-            snapshot = self._fetch(job_id, payload)
-        if snapshot is not None and self.engine.import_state(job_id, snapshot, params):
-            self.loaded += 1
-            outcome = "loaded"
-        else:
-            if snapshot is None:  # missing, corrupt or of another layout: recompute, never guess
-                self.engine.resume(job_id, payload.prompt_token_ids, [payload.first_token], params, payload.seed)
-            self.recomputed += 1
-            outcome = "recomputed"
-        span.set_attribute("deepmesh.state", outcome)
+        try:
+            with within(job.span, job_id):
+                if snapshot is not None and self.engine.import_state(job_id, snapshot, params):
+                    self.loaded += 1
+                    outcome = "loaded"
+                else:
+                    if snapshot is None:  # missing, corrupt or of another layout: recompute, never guess
+                        self.engine.resume(
+                            job_id, payload.prompt_token_ids, [payload.first_token], params, payload.seed
+                        )
+                    self.recomputed += 1
+                    outcome = "recomputed"
+        except EngineError as err:  # input the engine refuses: nothing to decode
+            del self.jobs[job_id]
+            job.span.end()
+            self.dead_letter(job.record, err)
+            self.watermarks.release(job_id)
+            return
+        job.span.set_attribute("deepmesh.state", outcome)
         metrics.STATE_HANDOFFS.labels(outcome).inc()
-        self.jobs[job_id] = _Job(payload, span, headers_of(span))
         start = JobStart(
             endpoint=payload.endpoint,
             body=payload.body,
@@ -105,14 +148,19 @@ class DecodeWorker(EngineWorker):
             cached_tokens=payload.cached_tokens,
         )
         seq0 = TokensPayload(start=start, token_ids=[payload.first_token])
-        self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=seq0.model_dump()), span)
+        self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=seq0.model_dump()), job.span)
 
     def cancel(self, job_id: str) -> None:
         """Stop a job now and free its state; a cancel that comes first stops the job on arrival."""
-        job = self.jobs.pop(job_id, None)
+        job = self.jobs.get(job_id)
         if job is None:
             self.cancelled.add(job_id)
             return
+        if job.fetch is not None:  # not started: nobody has seen a token of it
+            self.drop(job_id)
+            self.watermarks.release(job_id)
+            return
+        del self.jobs[job_id]
         self.engine.abort(job_id)
         tokens = TokensPayload(finished=True, finish_reason="abort")
         self.send(Topic.TOKENS, self._tokens_message(job, job_id, tokens), job.headers)
@@ -121,42 +169,19 @@ class DecodeWorker(EngineWorker):
     def _release(self, job_id: str, payload: DecodePayload) -> None:
         """Unpin the prompt's entry prefill leased to this job: it will not be loaded."""
         if payload.kv is not None:
-            try:
-                self.store.release(payload.kv.key, job_id)
-            except Exception:  # a lease that cannot be released lapses on its own
-                log.exception("releasing %s for %s failed", payload.kv.key, job_id)
-
-    def _fetch(self, job_id: str, payload: DecodePayload) -> StateSnapshot | None:
-        """The prompt's state prefill stored, as this job's: or None (recompute) when it is gone."""
-        kv = payload.kv
-        if kv is None:
-            return None
-        try:
-            if kv.layout != self.engine.layout:
-                log.warning("state %s has layout %s, not this engine's %s", kv.key, kv.layout, self.engine.layout)
-                self._release(job_id, payload)
-                return None
-            snapshot, _ = self.store.load(kv.key, release=job_id)  # loaded (or gone): the pin is done
-        except Exception:  # a cache that fails means recomputing, never a lost job
-            log.exception("loading %s failed", kv.key)
-            return None
-        if snapshot is None:
-            return None
-        prompt = payload.prompt_token_ids
-        if snapshot.num_computed != len(prompt) or snapshot.token_ids[: len(prompt)] != prompt:
-            log.warning("state %s is not of this job's prompt", kv.key)
-            return None
-        metrics.STATE_BYTES.labels("get").inc(kv.size)
-        # an anchor holds the state of its tokens alone: this job continues it from its first token
-        snapshot.token_ids, snapshot.prompt_len, snapshot.seed = (
-            [*prompt, payload.first_token],
-            len(prompt),
-            payload.seed,
-        )
-        return snapshot
+            self.cache.release(job_id, payload.kv.key)
 
     def idle(self) -> None:
         if not self.jobs:
+            return
+        fetching = [job.fetch for job in self.jobs.values() if job.fetch is not None]
+        if fetching and not self.engine.has_unfinished_requests():
+            wait(fetching, timeout=0.005, return_when=FIRST_COMPLETED)  # nothing else to do meanwhile
+        for job_id, job in list(self.jobs.items()):
+            if job.fetch is not None and job.fetch.done():
+                self._admit(job_id, job)
+        if not self.engine.has_unfinished_requests():
+            metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
             return
         started = time.perf_counter()
         outputs = self.engine.step()
@@ -165,7 +190,7 @@ class DecodeWorker(EngineWorker):
         finished: list[tuple[str, _Job, str, StateSnapshot | None]] = []
         for out in outputs:
             job = self.jobs.get(out.request_id)
-            if job is None:
+            if job is None or job.fetch is not None:  # not (yet) in the engine: the output of one dropped before
                 continue
             metrics.GENERATED_TOKENS.labels(self.group).inc(len(out.new_token_ids))
             tokens = TokensPayload(token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason)
@@ -179,24 +204,28 @@ class DecodeWorker(EngineWorker):
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
     def _finish(self, job_id: str, job: _Job, outcome: str, final_state: StateSnapshot | None = None) -> None:
-        """Store the job's final state as a prefix anchor, close its span and let its record be committed."""
+        """Close the job's span, let its record be committed, and store its final state as a
+        prefix anchor (on a fetch thread: nothing waits for it)."""
         with within(job.span, job_id, end=True):
             job.span.set_attribute("deepmesh.finish", outcome)
             job.span.set_attribute("deepmesh.tokens", job.sent)
-            if final_state is not None:
-                data = final_state.to_bytes()
-                with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
-                    namespace = namespace_of(self.engine.layout, job.payload.tenant)
-                    ttl = self.retention.ttl(job.payload.tenant, job.payload.retention)
-                    try:
-                        self.store.put_prefix(namespace, data, ttl)
-                    except Exception:  # a cache that fails is a later miss, never a lost job
-                        log.exception("storing the final state of %s failed", job_id)
-                metrics.STATE_BYTES.labels("put").inc(len(data))
         self.watermarks.release(job_id)
+        if final_state is not None:
+            payload = job.payload
+            self.fetcher.submit(self._save, job_id, job.span, payload.tenant, payload.retention, final_state)
+
+    def _save(self, job_id: str, span: Span, tenant: str, retention: str, state: StateSnapshot) -> None:
+        with within(span, job_id):
+            self.cache.save(job_id, tenant, retention, state)
 
     def _tokens_message(self, job: _Job, job_id: str, tokens: TokensPayload) -> Envelope:
         """The job's next tokens message: its seq is the index of its first token (common/job_streams.py)."""
         message = Envelope(type="tokens", job_id=job_id, seq=job.sent, payload=tokens.model_dump())
         job.sent += len(tokens.token_ids)
         return message
+
+    def close(self) -> None:
+        """Stop consuming; loads and stores under way finish on their threads."""
+        super().close()
+        self.fetcher.shutdown(wait=False)
+        self.fetcher = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="decode-fetch")

@@ -16,7 +16,6 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from cache_svc.prefix import namespace_of
 from cache_svc.retention import Retention
 from cache_svc.store import PrefixMatch, StateStore, Stored
 from common import metrics
@@ -34,9 +33,10 @@ from common.messages import (
     payload_of,
 )
 from common.topics import Topic
-from common.tracing import Span, SpanKind, context_of, job_span, start_span, within
+from common.tracing import Span, SpanKind, context_of, start_span, within
 from common.worker import EarlyCancels, EngineWorker
 from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
+from engine.prefix_connector import PrefixConnector
 
 
 @dataclass
@@ -54,14 +54,11 @@ class _Job:
     params: SamplingParams
     record: Record
     span: Span  # from the job's arrival to its hand-over
-    namespace: str  # where its prefixes are stored: the engine's layout and the tenant
-    ttl: float  # how long they live: the retention class's
     fetch: Future[_Fetched] | None = None  # until its prefix has been looked up and loaded
     cached_tokens: int = 0  # prompt tokens loaded from a stored prefix instead of computed
 
 
 log = logging.getLogger(__name__)
-LOAD_ATTEMPTS = 3  # stored prefixes tried, longest first, before computing the whole prompt
 
 
 class PrefillWorker(EngineWorker):
@@ -81,9 +78,8 @@ class PrefillWorker(EngineWorker):
     ):
         super().__init__(bus, topic_prefix)
         self.engine = engine
-        self.store = store
+        self.cache = PrefixConnector(store, engine.layout, retention)
         self.lease_seconds = lease_seconds
-        self.retention = retention or Retention()
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()
@@ -120,9 +116,7 @@ class PrefillWorker(EngineWorker):
             prompt_tokens = len(payload.prompt_token_ids)
             parent = context_of(record.headers)
             span = start_span("prefill", job_id, parent, SpanKind.CONSUMER, **{"deepmesh.prompt_tokens": prompt_tokens})
-            namespace = namespace_of(self.engine.layout, payload.tenant)
-            ttl = self.retention.ttl(payload.tenant, payload.retention)
-            job = _Job(payload, params, record, span, namespace, ttl)
+            job = _Job(payload, params, record, span)
             job.fetch = self.fetcher.submit(self._fetch, job_id, job)
             self.jobs[job_id] = job
             self.watermarks.hold(record, job_id)
@@ -137,28 +131,13 @@ class PrefillWorker(EngineWorker):
 
     def _fetch(self, job_id: str, job: _Job) -> _Fetched:
         """On a fetch thread: the longest stored prefix of the job's prompt (its tenant's), loaded
-        if it is worth loading. A prefix that fails to load (lost with a cache process, corrupt)
-        is dropped by the store, and the next-longest is tried. No engine work here: the engine
-        has one thread."""
-        prompt = job.payload.prompt_token_ids
-        below = len(prompt) + 1  # the whole prompt too: a repeat is answered from its last hidden state
+        if it is worth loading. No engine work here: the engine has one thread."""
+        prompt, payload = job.payload.prompt_token_ids, job.payload
         with within(job.span, job_id):
-            for _ in range(LOAD_ATTEMPTS):
-                with job_span("cache.lookup", job_id, kind=SpanKind.CLIENT):
-                    match = self.store.lookup(job.namespace, prompt, below=below)
-                anchors = anchor_positions(len(prompt), match, self.anchor_interval)
-                if match.key is None:
-                    return _Fetched(None, anchors)
-                if self._too_slow_to_load(match):
-                    metrics.CACHE_MISSES.labels("too_slow").inc()  # the store counts the other reasons
-                    return _Fetched(None, anchors)
-                with job_span("cache.load", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": match.size}):
-                    snapshot, _ = self.store.load(match.key, renew_seconds=job.ttl)  # a hit keeps it longer
-                if snapshot is not None:
-                    metrics.STATE_BYTES.labels("get").inc(match.size)
-                    return _Fetched(snapshot, anchors)
-                below = match.num_tokens  # that one is gone: a shorter one may not be
-        return _Fetched(None, anchor_positions(len(prompt), PrefixMatch(), self.anchor_interval))
+            snapshot, match = self.cache.fetch_prefix(
+                job_id, payload.tenant, payload.retention, prompt, self._too_slow_to_load
+            )
+        return _Fetched(snapshot, anchor_positions(len(prompt), match, self.anchor_interval))
 
     def _admit(self, job_id: str, job: _Job) -> None:
         """Start a job whose fetch is done: from its prefix if it has one, else from scratch."""
@@ -229,7 +208,7 @@ class PrefillWorker(EngineWorker):
                 continue
             if out.prefix_state is not None:  # an anchor inside the prompt
                 with within(job.span, out.request_id):
-                    self._store_prefix(out.request_id, job, out.prefix_state.to_bytes())
+                    self._store_prefix(out.request_id, job, out.prefix_state)
             if not out.new_token_ids:
                 continue
             metrics.GENERATED_TOKENS.labels(self.group).inc()
@@ -252,13 +231,13 @@ class PrefillWorker(EngineWorker):
             tokens = TokensPayload(start=start, token_ids=[first], finished=True, finish_reason=out.finish_reason)
             self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
             if out.final_state is not None:
-                self._store_prefix(job_id, job, out.final_state.to_bytes())
+                self._store_prefix(job_id, job, out.final_state)
             return
         snapshot = self.engine.export_state(job_id)
         seed = self.engine.seqs[job_id].seed
         self.engine.abort(job_id)
         # The prompt's anchor is also the hand-over: leased to this job until decode has loaded it.
-        stored = self._store_prefix(job_id, job, snapshot.to_bytes(), lease=True)
+        stored = self._store_prefix(job_id, job, snapshot, lease=True)
         kv = None
         if stored is not None:
             kv = KVHandle(
@@ -283,17 +262,10 @@ class PrefillWorker(EngineWorker):
         )
         self.hop(Topic.DECODE, Envelope(type="decode", job_id=job_id, payload=handoff.model_dump()), job.span)
 
-    def _store_prefix(self, job_id: str, job: _Job, data: bytes, lease: bool = False) -> Stored | None:
+    def _store_prefix(self, job_id: str, job: _Job, snapshot: StateSnapshot, lease: bool = False) -> Stored | None:
         """Store a state of the prompt where a longer prompt that starts with it can resume."""
-        with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
-            holder, seconds = (job_id, self.lease_seconds) if lease else (None, 0.0)
-            try:
-                stored = self.store.put_prefix(job.namespace, data, job.ttl, holder, seconds)
-            except Exception:  # a cache that fails is a later miss, never a lost job
-                log.exception("storing a prefix of %s failed", job_id)
-                return None
-        metrics.STATE_BYTES.labels("put").inc(len(data))
-        return stored
+        payload = job.payload
+        return self.cache.save(job_id, payload.tenant, payload.retention, snapshot, self.lease_seconds if lease else 0)
 
     def close(self) -> None:
         """Stop consuming. Fetches under way finish on their threads (their jobs are admitted if
