@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from common import metrics
@@ -215,10 +216,24 @@ class Worker:
 
 class EngineWorker(Worker):
     """A worker whose jobs run in an engine (prefill, decode): `jobs` maps a job id to its state,
-    which has the job's `span`; `engine` holds a request per job under the same id."""
+    which has the job's `span` and, until the cache has answered for it, its `fetch` (a future
+    from a fetch thread); `engine` holds a request per admitted job under the same id."""
 
     engine: Any
     jobs: dict[str, Any]
+
+    def admit_fetched(self) -> None:
+        """Admit (`_admit`) every job whose fetch is done; with nothing else for the engine to
+        do, wait a moment for one first."""
+        fetching = [job.fetch for job in self.jobs.values() if job.fetch is not None]
+        if fetching and not self.engine.has_unfinished_requests():
+            wait(fetching, timeout=0.005, return_when=FIRST_COMPLETED)
+        for job_id, job in list(self.jobs.items()):
+            if job.fetch is not None and job.fetch.done():
+                self._admit(job_id, job)
+
+    def _admit(self, job_id: str, job: Any) -> None:
+        raise NotImplementedError
 
     def drop(self, job_id: str) -> bool:
         """Forget a job wherever it is here (a prefill's fetch result is then dropped too) and free

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cache_svc.retention import Retention
@@ -187,12 +187,7 @@ class PrefillWorker(EngineWorker):
     def idle(self) -> None:
         if not self.jobs:
             return
-        fetching = [job.fetch for job in self.jobs.values() if job.fetch is not None]
-        if fetching and not self.engine.has_unfinished_requests():
-            wait(fetching, timeout=0.005, return_when=FIRST_COMPLETED)  # nothing else to do meanwhile
-        for job_id, job in list(self.jobs.items()):
-            if job.fetch is not None and job.fetch.done():
-                self._admit(job_id, job)
+        self.admit_fetched()
         if not self.engine.has_unfinished_requests():
             return
         started = time.perf_counter()
