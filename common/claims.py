@@ -75,9 +75,12 @@ class ClaimStore:
             return value
         try:
             envelope = json.loads(value)
+        except ValueError:
+            return value
+        if not isinstance(envelope, dict) or envelope.get("type") != "claim":  # a small value that says "claim"
+            return value
+        try:
             claim = envelope["payload"]
-            if envelope.get("type") != "claim":
-                return value
             data = (self.root / claim["sha256"][:2] / claim["sha256"]).read_bytes()
         except (ValueError, KeyError, TypeError, OSError) as err:
             log.warning("claim check unreadable: %r", err)
