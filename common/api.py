@@ -24,7 +24,7 @@ DEFAULT_RETENTION = {"messages": "agent", "chat.completions": "chat", "responses
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 MAX_BODY_BYTES = 8 << 20
-MAX_NESTING = 100  # deeper JSON than any protocol needs; the recipe's parser stops at 128
+MAX_NESTING = 100  # deeper than any request of the three protocols nests
 INT64 = 1 << 63  # JSON integers must fit in 64 bits: seeds, token counts, schema bounds
 
 
