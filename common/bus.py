@@ -95,7 +95,11 @@ def _checked_in(claims: ClaimStore | None, records: list[tuple[str, bytes, Heade
 def _checked_out(claims: ClaimStore | None, records: list[Record]) -> list[Record]:
     if claims is None:
         return records
-    return [dataclasses.replace(r, value=claims.check_out(r.value)) for r in records]
+    out = []
+    for record in records:  # every record a consumer polls passes here: a new one only for a claim
+        value = claims.check_out(record.value)
+        out.append(record if value is record.value else dataclasses.replace(record, value=value))
+    return out
 
 
 # -- in-process ---------------------------------------------------------------------------------

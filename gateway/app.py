@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import metrics
 from common.api import (
+    ENDPOINTS,
     MAX_BODY_BYTES,
     BadRequest,
     error_body,
@@ -321,8 +322,8 @@ def create_app(
         if isinstance(envelope, Response):
             return envelope
         endpoint, body = envelope.get("endpoint"), envelope.get("body")
-        if endpoint not in ("chat.completions", "responses", "messages"):
-            return protocol_error("jobs", 400, "endpoint must be one of chat.completions, responses, messages")
+        if endpoint not in ENDPOINTS:
+            return protocol_error("jobs", 400, f"endpoint must be one of {', '.join(ENDPOINTS)}")
         if not isinstance(body, dict):
             return protocol_error("jobs", 400, "body must be the JSON object of the request")
         options = cache_options("jobs", request, body)

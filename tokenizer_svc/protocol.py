@@ -25,10 +25,10 @@ from tokenizers import Tokenizer
 
 from common.api import error_body, protocol_problem
 
-ENDPOINTS = {
-    "chat.completions": (recipe.ChatCompletionRequest, recipe.ChatCompletionResponse, "chatcmpl"),
-    "responses": (recipe.ResponsesRequest, recipe.ResponsesResponse, "resp"),
-    "messages": (recipe.MessagesRequest, recipe.MessagesResponse, "msg"),
+ENDPOINTS = {  # endpoint -> (request type, response type); response ids: common.api.response_id
+    "chat.completions": (recipe.ChatCompletionRequest, recipe.ChatCompletionResponse),
+    "responses": (recipe.ResponsesRequest, recipe.ResponsesResponse),
+    "messages": (recipe.MessagesRequest, recipe.MessagesResponse),
 }
 
 
@@ -143,7 +143,7 @@ class Codec:
 
     def output(self, endpoint: str, body: dict[str, Any] | bytes | str, response_id: str) -> OutputStream:
         conversation_request, model = self.convert(endpoint, body)
-        request_type, response_type, _ = ENDPOINTS[endpoint]
+        request_type, response_type = ENDPOINTS[endpoint]
         parsing = conversation_request.parsing_options
         generator = request_type.chunk_generator(conversation_request, response_id, model)
         processor = recipe.StreamProcessor(generator, parsing, self.tokenizer)

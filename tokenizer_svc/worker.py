@@ -63,11 +63,12 @@ class TokenizerWorker(Worker):
             except OutputFailed as failure:  # this job's answer ends in an error; the poll goes on
                 pending.pop(failure.job_id, None)
                 failed[failure.job_id] = failure.result
-                finished[failure.job_id] = []
+                finished[failure.job_id] = []  # ended: its later records in this poll are skipped
         results = [self._result(job_id, events, done=False) for job_id, events in pending.items() if events]
         results += [
-            self._result(job_id, events, done=True, error=failed.get(job_id)) for job_id, events in finished.items()
+            self._result(job_id, events, done=True) for job_id, events in finished.items() if job_id not in failed
         ]
+        results += [self._error(job_id, result) for job_id, result in failed.items()]
         self.send_batch(Topic.RESULTS, results)
         for job_id in finished:  # only now that its last results are stored may its records be committed
             job = self.jobs.pop(job_id, None)
@@ -103,16 +104,21 @@ class TokenizerWorker(Worker):
                 tenant=request.tenant,
                 retention=request.retention or DEFAULT_RETENTION[request.endpoint],
             )
-        except (ProtocolError, ValidationError) as err:
-            status = err.status_code if isinstance(err, ProtocolError) else 400
-            body = json.loads(err.body) if isinstance(err, ProtocolError) else error_body(request.endpoint, str(err))
-            span.set_attribute("deepmesh.error_status", status)
-            error = ResultPayload(done=True, status=status, body=body)
-            self.hop(Topic.RESULTS, Envelope(type="result", job_id=envelope.job_id, payload=error.model_dump()), span)
+        except ProtocolError as err:
+            self._refuse(envelope.job_id, err.status_code, json.loads(err.body), span)
+            return
+        except ValidationError as err:  # a sampling value the protocol let through but no engine takes
+            self._refuse(envelope.job_id, 400, error_body(request.endpoint, str(err)), span)
             return
         span.set_attribute("deepmesh.prompt_tokens", len(prompt.token_ids))
         message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
         self.hop(Topic.PREFILL, message, span)
+
+    def _refuse(self, job_id: str, status: int, body: dict, span: Span) -> None:
+        """A request that cannot be run: its error is its whole answer."""
+        span.set_attribute("deepmesh.error_status", status)
+        error = ResultPayload(done=True, status=status, body=body)
+        self.hop(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=error.model_dump()), span)
 
     def _on_tokens(self, record: Record, pending: dict[str, list[Event]], finished: dict[str, list[Event]]) -> None:
         envelope = decode(record.value, "tokens")
@@ -151,26 +157,25 @@ class TokenizerWorker(Worker):
             raise OutputFailed(job_id, job.output.endpoint, err) from err
         pending.setdefault(job_id, []).extend(events)
 
-    def _result(
-        self, job_id: str, events: list[Event], done: bool, error: ResultPayload | None = None
-    ) -> tuple[Envelope, dict[str, bytes]]:
-        """The job's next results message, carrying these events: its seq is the index of the
-        first. `error`: the job ends in this error instead of its answer."""
+    def _result(self, job_id: str, events: list[Event], done: bool) -> tuple[Envelope, dict[str, bytes]]:
+        """The job's next results message, carrying these events: its seq is the index of the first."""
+        job = self.jobs[job_id]
+        result = ResultPayload(
+            events=[StreamEvent(name=e.name, data=e.data) for e in events],
+            done=done,
+            body=job.output.body() if done else None,
+            done_data=job.output.done_data if done else None,
+        )
+        message = Envelope(type="result", job_id=job_id, seq=job.events_sent, payload=result.model_dump())
+        job.events_sent += len(events)
+        return message, job.headers
+
+    def _error(self, job_id: str, result: ResultPayload) -> tuple[Envelope, dict[str, bytes]]:
+        """The last results message of a job whose output failed: after the events it has sent
+        (none, if it failed at its start)."""
         job = self.jobs.get(job_id)
-        sent = job.events_sent if job is not None else 0
-        if error is not None:
-            result = error
-        else:
-            assert job is not None
-            result = ResultPayload(
-                events=[StreamEvent(name=e.name, data=e.data) for e in events],
-                done=done,
-                body=job.output.body() if done else None,
-                done_data=job.output.done_data if done else None,
-            )
-        message = Envelope(type="result", job_id=job_id, seq=sent, payload=result.model_dump())
-        if job is not None:
-            job.events_sent += len(events)
+        seq = job.events_sent if job is not None else 0
+        message = Envelope(type="result", job_id=job_id, seq=seq, payload=result.model_dump())
         return message, job.headers if job is not None else {}
 
 
