@@ -1,9 +1,11 @@
 """The cache service over HTTP, so that prefill and decode replicas on other hosts share state.
 
-POST   /v1/prefix                    body: a state snapshot; headers X-Namespace, X-TTL-Seconds and,
-                                     for a hand-over, X-Lease-Holder and X-Lease-Seconds -> Stored
+POST   /v1/prefix                    body: the entry (cache_svc/wire.py: its token ids, head and blocks);
+                                     headers X-Namespace, X-TTL-Seconds and, for a hand-over,
+                                     X-Lease-Holder and X-Lease-Seconds -> Stored
 POST   /v1/prefix/lookup             {namespace, token_ids, below} -> PrefixMatch
-GET    /v1/prefix/{key}              ?renew_seconds=&release=holder -> the snapshot (X-Checksum),
+GET    /v1/prefix/{key}              ?renew_seconds=&release=holder -> the entry's head and blocks
+                                     (cache_svc/wire.py; X-Checksum: the body's sha256),
                                      or 404 {error: {type: the miss reason}}
 POST   /v1/prefix/{key}/renew        {ttl_seconds} -> {expires_at}
 POST   /v1/prefix/{key}/lease        {holder, seconds}: pin it while a hand-over is in flight
@@ -26,10 +28,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from cache_svc import wire
 from cache_svc.maintenance import TASKS, run_task
-from cache_svc.store import StateStore, checksum_of
+from cache_svc.store import InvalidEntry, StateBlobs, StateStore, checksum_of
 from common.tracing import http_telemetry
-from engine.state_transfer import SnapshotError
 
 MAX_SECONDS = 366 * 86400
 
@@ -72,12 +74,21 @@ def create_app(store: StateStore) -> FastAPI:
         x_lease_holder: str | None = Header(None, max_length=128),
         x_lease_seconds: float = Header(0.0, ge=0, le=MAX_SECONDS),
     ) -> Response:
-        data = await request.body()
         try:
+            parts, meta = wire.unpack(await request.body())
+            if not parts:
+                raise InvalidEntry("an entry has a head blob")
+            state = StateBlobs(parts[0], parts[1:])
             stored = await run_in_threadpool(
-                store.put_prefix, x_namespace, data, x_ttl_seconds, x_lease_holder, x_lease_seconds
+                store.put_prefix,
+                x_namespace,
+                meta.get("token_ids"),
+                state,
+                x_ttl_seconds,
+                x_lease_holder,
+                x_lease_seconds,
             )
-        except SnapshotError as err:
+        except ValueError as err:  # InvalidEntry too
             return _error(400, "invalid_request", str(err))
         return JSONResponse(asdict(stored))
 
@@ -88,10 +99,10 @@ def create_app(store: StateStore) -> FastAPI:
 
     @app.get("/v1/prefix/{key}")
     async def load(key: str, renew_seconds: float = 0.0, release: str | None = None) -> Response:
-        snapshot, reason = await run_in_threadpool(store.load, key, renew_seconds, release)
-        if snapshot is None:
+        state, reason = await run_in_threadpool(store.load, key, renew_seconds, release)
+        if state is None:
             return _error(404, reason or "evicted", f"no usable state {key!r}: {reason}")
-        data = snapshot.to_bytes()
+        data = wire.pack([state.head, *state.blocks])
         return Response(data, media_type="application/octet-stream", headers={"X-Checksum": checksum_of(data)})
 
     @app.post("/v1/prefix/{key}/renew")

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 from opentelemetry import propagate
 
-from cache_svc.store import PrefixMatch, Stored, checksum_of
-from engine.state_transfer import SnapshotError, StateSnapshot
+from cache_svc import wire
+from cache_svc.store import PrefixMatch, StateBlobs, Stored, checksum_of
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,8 @@ class StateClient:
     def put_prefix(
         self,
         namespace: str,
-        data: bytes,
+        token_ids: list[int],
+        state: StateBlobs,
         ttl_seconds: float,
         lease_holder: str | None = None,
         lease_seconds: float = 0.0,
@@ -31,6 +32,7 @@ class StateClient:
         headers = {"X-Namespace": namespace, "X-TTL-Seconds": str(ttl_seconds), **_trace_headers()}
         if lease_holder:
             headers |= {"X-Lease-Holder": lease_holder, "X-Lease-Seconds": str(lease_seconds)}
+        data = wire.pack([state.head, *state.blocks], token_ids=token_ids)
         body = self._call("POST", "/v1/prefix", content=data, headers=headers)
         return Stored(**body) if body is not None else None
 
@@ -42,7 +44,7 @@ class StateClient:
 
     def load(
         self, key: str, renew_seconds: float = 0.0, release: str | None = None
-    ) -> tuple[StateSnapshot | None, str | None]:
+    ) -> tuple[StateBlobs | None, str | None]:
         params: dict[str, str | float] = {"renew_seconds": renew_seconds}
         if release is not None:
             params["release"] = release
@@ -56,9 +58,10 @@ class StateClient:
         if checksum_of(response.content) != response.headers.get("X-Checksum"):
             return None, "corrupt"
         try:
-            return StateSnapshot.from_bytes(response.content), None
-        except SnapshotError:
+            parts, _ = wire.unpack(response.content)
+        except ValueError:
             return None, "corrupt"
+        return StateBlobs(parts[0], parts[1:]), None
 
     def renew(self, key: str, ttl_seconds: float) -> float | None:
         body = self._call("POST", f"/v1/prefix/{key}/renew", json={"ttl_seconds": ttl_seconds})

@@ -15,7 +15,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-from engine.config import BLOCK_SIZE
+from common.blocks import BLOCK_SIZE
 
 
 def namespace_of(layout: str, tenant: str = "default") -> str:

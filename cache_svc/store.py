@@ -1,11 +1,12 @@
 """The KV cache: prefix states stored once per block across tiers, found by the longest prefix.
 
 An entry is the state after an exact prefix of tokens (an *anchor*): the end of a request's
-input, the end of its output, or a block boundary inside a long input. Its state is split
-into the compressed state of its full 128-token blocks, each stored once as a *block* blob
-keyed by the hash chain up to it (so conversations with a common start share them), and a
-*head* blob: the window snapshot and the partial last block. Metadata lives in the catalog
-(SQL); bytes live in tiers, fastest first:
+input, the end of its output, or a block boundary inside a long input. The engine gives it as
+bytes (StateBlobs): one blob per full 128-token block, each stored once keyed by the hash
+chain up to it (so conversations with a common start share them), and a *head* blob with the
+rest (the window, the partial last block). The store never looks inside them: it keeps bytes
+and metadata, and the engine side (engine/prefix_connector.py) splits and joins its state.
+Metadata lives in the catalog (SQL); bytes live in tiers, fastest first:
 
     T1 memory (bytes capacity, LRU) -> T2 local disk -> T3 shared (directory or Redis)
 
@@ -28,16 +29,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from cache_svc.catalog import Catalog, Entry
 from cache_svc.prefix import anchor_key, block_key, chain
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
 from common import metrics
 from common.api import TENANT_PATTERN
+from common.blocks import BLOCK_SIZE
 from common.settings import Settings
-from engine.config import BLOCK_SIZE
-from engine.state_transfer import SnapshotError, StateSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +46,22 @@ DEFAULT_READ_SPEED = 2e8
 
 def checksum_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class InvalidEntry(ValueError):
+    """What no engine could have sent: refused before it is stored for others to load."""
+
+
+@dataclass
+class StateBlobs:
+    """An entry's bytes as the engine gave them: its head blob and one blob per full block."""
+
+    head: bytes
+    blocks: list[bytes]
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + sum(map(len, self.blocks))
 
 
 @dataclass
@@ -130,33 +144,20 @@ class StateStore:
     def put_prefix(
         self,
         namespace: str,
-        data: bytes,
+        token_ids: Sequence[int],
+        state: StateBlobs,
         ttl_seconds: float,
         lease_holder: str | None = None,
         lease_seconds: float = 0.0,
     ) -> Stored:
-        """Store a snapshot as the anchor of the tokens it was computed from, in `namespace`
+        """Store the state after exactly `token_ids` as their anchor, in `namespace`
         (layout/tenant). With a lease holder it is pinned for lease_seconds (a hand-over)."""
-        snapshot = StateSnapshot.from_bytes(data)
-        tenant = _check(namespace, snapshot)
-        tokens = snapshot.token_ids[: snapshot.num_computed]
+        tenant = _check(namespace, token_ids, state)
+        tokens = list(token_ids)
         links = chain(tokens, namespace)
-        full = _full_blocks(snapshot)
-        # canonical: the state of exactly these tokens, whatever request computed it
-        head = StateSnapshot(
-            snapshot.layout,
-            tokens,
-            len(tokens),
-            len(tokens),
-            0,
-            snapshot.blocks[full:],
-            snapshot.slot,
-            snapshot.last_hidden,
-        )
-        head_blob = head.to_bytes()
         now = self.clock()
-        blobs = {anchor_key(tokens, namespace, links): head_blob}
-        blobs |= {block_key(links[i + 1]): _row_bytes(snapshot.blocks[i]) for i in range(full)}
+        blobs = {anchor_key(tokens, namespace, links): state.head}
+        blobs |= {block_key(links[i + 1]): block for i, block in enumerate(state.blocks)}
         keys = list(blobs)
         entries = [
             Entry(
@@ -227,20 +228,20 @@ class StateStore:
 
     def load(
         self, key: str, renew_seconds: float = 0.0, release: str | None = None
-    ) -> tuple[StateSnapshot | None, str | None]:
-        """An anchor's whole state, or (None, reason) for a miss. A hit counts in the catalog and
+    ) -> tuple[StateBlobs | None, str | None]:
+        """An anchor's bytes, or (None, reason) for a miss. A hit counts in the catalog and
         keeps the entry for at least renew_seconds more (its retention class's TTL). `release`
         names a lease holder whose pin the load ends (a hand-over: its loss is "lease_lost")."""
-        snapshot, reason = self._load(key, renew_seconds)
+        state, reason = self._load(key, renew_seconds)
         if release is not None:
             self.catalog.lease(key, release, None)
             if reason in ("evicted", "expired"):
                 reason = "lease_lost"
         if reason is not None:
             metrics.CACHE_MISSES.labels(reason).inc()
-        return snapshot, reason
+        return state, reason
 
-    def _load(self, key: str, renew_seconds: float) -> tuple[StateSnapshot | None, str | None]:
+    def _load(self, key: str, renew_seconds: float) -> tuple[StateBlobs | None, str | None]:
         now = self.clock()
         anchor = self.catalog.get([key]).get(key)
         if anchor is None:
@@ -260,15 +261,8 @@ class StateStore:
                     self._remove(list({anchor.key, entry.key}))
                 return None, reason
             blobs.append(data)
-        try:
-            head = StateSnapshot.from_bytes(blobs[0])
-            head.blocks = _with_rows(head.blocks, blobs[1:])
-        except (SnapshotError, ValueError) as err:  # checksummed yet unreadable: written by something else
-            log.warning("cache entry %s unreadable: %s", key, err)
-            self._remove([anchor.key])
-            return None, "corrupt"
         self.catalog.hit(key, now, now + renew_seconds)
-        return head, None
+        return StateBlobs(blobs[0], blobs[1:]), None
 
     def renew(self, key: str, ttl_seconds: float) -> float | None:
         return self.catalog.renew(key, self.clock() + ttl_seconds)
@@ -480,45 +474,17 @@ class StateStore:
             self.catalog.remove(keys)
 
 
-def _check(namespace: str, snapshot: StateSnapshot) -> str:
-    """Refuse what no engine could have produced, before it is stored for others to load;
-    returns the namespace's tenant."""
+def _check(namespace: str, token_ids: Sequence[int], state: StateBlobs) -> str:
+    """Refuse what no engine could have sent, before it is stored for others to load; returns
+    the namespace's tenant."""
     layout, _, tenant = namespace.partition("/")
-    if layout != snapshot.layout:
-        raise SnapshotError(f"namespace {namespace!r} is not of the snapshot's layout {snapshot.layout}")
-    if not TENANT_PATTERN.fullmatch(tenant):
-        raise SnapshotError(f"namespace {namespace!r} does not end with a tenant id")
-    n = snapshot.num_computed
-    if not 0 < n <= len(snapshot.token_ids):
-        raise SnapshotError(f"a snapshot of {n} computed tokens out of {len(snapshot.token_ids)}")
-    blocks = snapshot.blocks
-    if blocks.ndim != 2 or (blocks.shape[1] and blocks.shape[0] != -(-n // BLOCK_SIZE)):
-        raise SnapshotError(f"block rows {tuple(blocks.shape)} do not fit {n} tokens")
+    if not layout or not TENANT_PATTERN.fullmatch(tenant):
+        raise InvalidEntry(f"namespace {namespace!r} is not <state layout>/<tenant id>")
+    if not token_ids or not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in token_ids):
+        raise InvalidEntry("an entry is the state after one or more token ids")
+    full = len(token_ids) // BLOCK_SIZE
+    if len(state.blocks) != full:
+        raise InvalidEntry(f"{len(state.blocks)} block blobs for {len(token_ids)} tokens ({full} full blocks)")
+    if len({len(block) for block in state.blocks}) > 1:
+        raise InvalidEntry("block blobs of different sizes")
     return tenant
-
-
-def _row_bytes(row: torch.Tensor) -> bytes:
-    """A block row's raw bytes: its dtype and width are the head's."""
-    return row.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _with_rows(tail: torch.Tensor, rows: list[bytes]) -> torch.Tensor:
-    """The full blocks (raw rows) followed by the head's partial block, as one [n, width] tensor.
-
-    Assembled as bytes, with no tensor operator: loads run on a fetch thread, and an operator
-    there would start a second OpenMP pool next to the engine's (see common.worker.run_workers).
-    """
-    if not rows:
-        return tail
-    row_size = tail.shape[1] * tail.element_size()
-    if any(len(row) != row_size for row in rows):
-        raise ValueError(f"a block of the wrong size (expected {row_size} bytes)")
-    data = bytearray(b"".join(rows) + _row_bytes(tail.reshape(-1)))
-    return torch.frombuffer(data, dtype=tail.dtype).view(len(rows) + tail.shape[0], tail.shape[1])
-
-
-def _full_blocks(snapshot: StateSnapshot) -> int:
-    """How many of a snapshot's block rows are complete 128-token blocks (shareable)."""
-    if snapshot.blocks.ndim != 2 or snapshot.blocks.shape[1] == 0:
-        return 0
-    return min(snapshot.num_computed // BLOCK_SIZE, snapshot.blocks.shape[0])

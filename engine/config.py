@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.blocks import BLOCK_SIZE
 from engine.errors import UnsupportedCheckpointError
 
 SLIDING = "sliding_attention"
@@ -20,9 +21,6 @@ HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
-
-# State is kept in blocks of this many tokens (see engine/state_cache.py).
-BLOCK_SIZE = 128
 
 
 @dataclass

@@ -5,7 +5,8 @@ engine's state layout and the tenant), how long they live (the request's retenti
 what a lookup does when the prefix it found cannot be loaded (the next-longest, up to
 LOAD_ATTEMPTS), which bytes are counted, and the error policy: a cache that fails is a miss
 or an entry not stored, never a failed job. The store is the cache service's HTTP client
-or, in one process, the store itself; both have the same methods.
+or, in one process, the store itself; both have the same methods, and both deal in bytes:
+a state is split into the blobs the cache stores here (StateSnapshot.split, .joined).
 
 Every call does I/O: workers make them on their fetch threads, never on the engine's.
 """
@@ -18,10 +19,10 @@ from typing import Any
 
 from cache_svc.prefix import namespace_of
 from cache_svc.retention import Retention
-from cache_svc.store import PrefixMatch, Stored
+from cache_svc.store import PrefixMatch, StateBlobs, Stored
 from common import metrics
 from common.tracing import SpanKind, job_span
-from engine.state_transfer import StateSnapshot
+from engine.state_transfer import SnapshotError, StateSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class PrefixConnector:
                     metrics.CACHE_MISSES.labels("too_slow").inc()  # the store counts the other reasons
                     return None, match
                 with job_span("cache.load", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": match.size}):
-                    snapshot, _ = self.store.load(match.key, renew_seconds=ttl)  # a hit keeps it longer
+                    state, _ = self.store.load(match.key, renew_seconds=ttl)  # a hit keeps it longer
+                snapshot = self._joined(match.key, state)
             except Exception:  # a cache that fails is a miss, never a failed job
                 log.exception("prefix lookup for %s failed", job_id)
                 return None, PrefixMatch()
@@ -84,7 +86,8 @@ class PrefixConnector:
             return None
         try:
             with job_span("cache.load", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": size}):
-                snapshot, _ = self.store.load(key, release=job_id)  # loaded (or gone): the pin is done
+                state, _ = self.store.load(key, release=job_id)  # loaded (or gone): the pin is done
+            snapshot = self._joined(key, state)
         except Exception:  # a cache that fails means recomputing, never a lost job
             log.exception("loading %s failed", key)
             return None
@@ -106,18 +109,36 @@ class PrefixConnector:
     ) -> Stored | None:
         """Store a state where a longer prompt that starts with its tokens can resume; with
         lease_seconds, pinned for this job until its hand-over is loaded. None if it failed."""
-        data = snapshot.to_bytes()
         holder = job_id if lease_seconds else None
         try:
-            with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": len(data)}):
+            tokens, head, rows = snapshot.split()
+            state = StateBlobs(head, rows)
+            with job_span("cache.put_prefix", job_id, kind=SpanKind.CLIENT, **{"deepmesh.bytes": state.size}):
                 stored = self.store.put_prefix(
-                    self.namespace(tenant), data, self.ttl(tenant, retention_class), holder, lease_seconds
+                    self.namespace(tenant), tokens, state, self.ttl(tenant, retention_class), holder, lease_seconds
                 )
         except Exception:  # a cache that fails is a later miss, never a lost job
             log.exception("storing a prefix of %s failed", job_id)
             return None
-        metrics.STATE_BYTES.labels("put").inc(len(data))
+        metrics.STATE_BYTES.labels("put").inc(state.size)
         return stored
+
+    def _joined(self, key: str, state: StateBlobs | None) -> StateSnapshot | None:
+        """The snapshot an entry's bytes hold. Bytes that pass their checksums yet do not make a
+        state of this layout (written by something else) are a miss, and the entry is dropped so
+        that the next lookup finds the next-best prefix instead."""
+        if state is None:
+            return None
+        try:
+            snapshot = StateSnapshot.joined(state.head, state.blocks)
+            if snapshot.layout != self.layout:
+                raise SnapshotError(f"layout {snapshot.layout}, not this engine's {self.layout}")
+        except SnapshotError as err:
+            log.warning("cache entry %s unusable, dropped: %s", key, err)
+            metrics.CACHE_MISSES.labels("corrupt").inc()
+            self.store.delete(key)
+            return None
+        return snapshot
 
     def release(self, job_id: str, key: str) -> None:
         """Unpin an entry leased to a job that will not load it."""

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import BLOCK_SIZE, CSA, SLIDING, ModelConfig
+from common.blocks import BLOCK_SIZE
+from engine.config import CSA, SLIDING, ModelConfig
 
 
 class OutOfBlocksError(RuntimeError):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import load, save
 
-from engine.config import BLOCK_SIZE, ModelConfig
+from common.blocks import BLOCK_SIZE
+from engine.config import ModelConfig
 from engine.errors import EngineError
 
 FORMAT_VERSION = 2  # 2: the last computed token's hidden state
@@ -88,3 +89,53 @@ class StateSnapshot:
             )
         except Exception as err:  # any malformed input is the same problem for the caller
             raise SnapshotError(f"unreadable state snapshot: {err}") from err
+
+    # -- as a prefix cache entry: shareable full blocks apart from the rest ---------------------
+
+    def split(self) -> tuple[list[int], bytes, list[bytes]]:
+        """(tokens, head, block rows): the state of exactly the computed tokens, as the KV cache
+        stores it. Each full 128-token block's row is its own blob, equal for every prompt that
+        starts with the same blocks (the cache stores it once); the head holds the rest (the
+        partial last block, the slot state, the last hidden state) and is canonical: it names no
+        request (no generated tokens, seed 0)."""
+        tokens = self.token_ids[: self.num_computed]
+        full = len(tokens) // BLOCK_SIZE
+        width = self.blocks.shape[1] if self.blocks.ndim == 2 else 0
+        rows = [_row_bytes(self.blocks[i]) for i in range(full)] if width else [b""] * full
+        head = StateSnapshot(
+            self.layout,
+            tokens,
+            len(tokens),
+            len(tokens),
+            0,
+            self.blocks[full:] if width else self.blocks,
+            self.slot,
+            self.last_hidden,
+        )
+        return tokens, head.to_bytes(), rows
+
+    @classmethod
+    def joined(cls, head: bytes, rows: list[bytes]) -> StateSnapshot:
+        """The snapshot `split` took apart, or SnapshotError if the parts do not fit together.
+
+        Put together as bytes, with no tensor operator: loads run on fetch threads, and an
+        operator there would start a second OpenMP pool next to the engine's (see
+        common.worker.run_workers).
+        """
+        snapshot = cls.from_bytes(head)
+        tail = snapshot.blocks
+        if len(rows) != snapshot.num_computed // BLOCK_SIZE:
+            raise SnapshotError(f"{len(rows)} block rows for a state of {snapshot.num_computed} tokens")
+        if not rows or tail.ndim != 2 or tail.shape[1] == 0:
+            return snapshot
+        row_size = tail.shape[1] * tail.element_size()
+        if any(len(row) != row_size for row in rows):
+            raise SnapshotError(f"a block row of the wrong size (expected {row_size} bytes)")
+        data = bytearray(b"".join(rows) + _row_bytes(tail.reshape(-1)))
+        snapshot.blocks = torch.frombuffer(data, dtype=tail.dtype).view(len(rows) + tail.shape[0], tail.shape[1])
+        return snapshot
+
+
+def _row_bytes(row: torch.Tensor) -> bytes:
+    """A tensor's raw bytes (its dtype and shape are the head's to say)."""
+    return row.contiguous().view(torch.uint8).numpy().tobytes()

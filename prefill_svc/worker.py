@@ -1,19 +1,21 @@
 """The prefill service: computes each prompt's state, samples the first token, hands the state over.
 
 A prompt starts from the longest stored prefix of it (unless loading that would take longer
-than computing it). Looking it up and loading it happen on fetch threads, so the engine keeps
-stepping the other jobs meanwhile; a job joins the engine once its prefix has arrived. Its
-state is stored at the anchors a later prompt may start from: the end of the prompt (which
-is also the hand-over to decode, pinned by a lease), every `anchor_interval` tokens inside
-it, and the block boundary where it leaves the blocks other prompts stored (where
-conversations with a shared start, such as a system prompt, diverge).
+than computing it). Its state is stored at the anchors a later prompt may start from: the end
+of the prompt (which is also the hand-over to decode, pinned by a lease), every
+`anchor_interval` tokens inside it, and the block boundary where it leaves the blocks other
+prompts stored (where conversations with a shared start, such as a system prompt, diverge).
+
+Every cache call (lookup, load, store) runs on a fetch thread, so the engine keeps stepping
+the other jobs meanwhile: a job joins the engine once its prefix has arrived, and goes on to
+decode once its hand-over is stored (decode must find it under the key it is sent).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from cache_svc.retention import Retention
@@ -49,6 +51,16 @@ class _Fetched:
 
 
 @dataclass
+class _HandOver:
+    """A prefilled job on its way to decode: its state is being stored (out of the engine)."""
+
+    first_token: int
+    seed: int
+    layout: str
+    stored: Future[Stored | None]
+
+
+@dataclass
 class _Job:
     payload: PrefillPayload
     params: SamplingParams
@@ -56,6 +68,7 @@ class _Job:
     span: Span  # from the job's arrival to its hand-over
     fetch: Future[_Fetched] | None = None  # until its prefix has been looked up and loaded
     cached_tokens: int = 0  # prompt tokens loaded from a stored prefix instead of computed
+    hand_over: _HandOver | None = None  # once prefilled, until decode has been sent it
 
 
 log = logging.getLogger(__name__)
@@ -129,6 +142,16 @@ class PrefillWorker(EngineWorker):
         else:
             self.cancelled.add(job_id)
 
+    def drop(self, job_id: str) -> bool:
+        job = self.jobs.get(job_id)
+        if job is not None and job.hand_over is not None:  # its state, once stored, is nobody's to load
+            job.hand_over.stored.add_done_callback(lambda done: self._release(job_id, done))
+        return super().drop(job_id)
+
+    def _release(self, job_id: str, stored: Future[Stored | None]) -> None:
+        if not stored.cancelled() and stored.exception() is None and (entry := stored.result()) is not None:
+            self.cache.release(job_id, entry.key)
+
     def _fetch(self, job_id: str, job: _Job) -> _Fetched:
         """On a fetch thread: the longest stored prefix of the job's prompt (its tenant's), loaded
         if it is worth loading. No engine work here: the engine has one thread."""
@@ -188,6 +211,7 @@ class PrefillWorker(EngineWorker):
         if not self.jobs:
             return
         self.admit_fetched()
+        self._send_stored()
         if not self.engine.has_unfinished_requests():
             return
         started = time.perf_counter()
@@ -202,19 +226,16 @@ class PrefillWorker(EngineWorker):
             if job is None:
                 continue
             if out.prefix_state is not None:  # an anchor inside the prompt
-                with within(job.span, out.request_id):
-                    self._store_prefix(out.request_id, job, out.prefix_state)
+                self._store_prefix(out.request_id, job, out.prefix_state)
             if not out.new_token_ids:
                 continue
             metrics.GENERATED_TOKENS.labels(self.group).inc()
-            with within(job.span, out.request_id, end=True):
-                self._hand_over(out, job)
-            del self.jobs[out.request_id]
-            self.watermarks.release(out.request_id)
+            self._prefilled(out, job)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
-    def _hand_over(self, out: RequestOutput, job: _Job) -> None:
-        """Send the first token on: with the state to decode, or straight out when it is also the last."""
+    def _prefilled(self, out: RequestOutput, job: _Job) -> None:
+        """A job has its first token: send it straight out when it is also the last, else store
+        its state for decode (the job goes on once it is stored: `_send_stored`)."""
         job_id, first, prompt = out.request_id, out.new_token_ids[0], job.payload.prompt_token_ids
         if out.finished:  # done at the first token: no decode needed
             start = JobStart(
@@ -224,31 +245,53 @@ class PrefillWorker(EngineWorker):
                 cached_tokens=job.cached_tokens,
             )
             tokens = TokensPayload(start=start, token_ids=[first], finished=True, finish_reason=out.finish_reason)
-            self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
+            with within(job.span, job_id, end=True):
+                self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
             if out.final_state is not None:
                 self._store_prefix(job_id, job, out.final_state)
+            self._done(job_id)
             return
         snapshot = self.engine.export_state(job_id)
         seed = self.engine.seqs[job_id].seed
-        self.engine.abort(job_id)
+        self.engine.abort(job_id)  # its state is in the snapshot: the engine's room is free now
         # The prompt's anchor is also the hand-over: leased to this job until decode has loaded it.
         stored = self._store_prefix(job_id, job, snapshot, lease=True)
+        job.hand_over = _HandOver(first, seed, snapshot.layout, stored)
+
+    def _send_stored(self) -> None:
+        """Send every job whose hand-over is stored (or failed to be: decode then recomputes it)
+        on to decode; with nothing else for the engine to do, wait a moment for one first."""
+        storing = [job.hand_over.stored for job in self.jobs.values() if job.hand_over is not None]
+        if storing and not self.engine.has_unfinished_requests():
+            wait(storing, timeout=0.005, return_when=FIRST_COMPLETED)
+        for job_id, job in list(self.jobs.items()):
+            if job.hand_over is not None and job.hand_over.stored.done():
+                with within(job.span, job_id, end=True):
+                    self._send_decode(job_id, job, job.hand_over)
+                self._done(job_id)
+
+    def _send_decode(self, job_id: str, job: _Job, hand_over: _HandOver) -> None:
+        try:
+            stored = hand_over.stored.result()
+        except Exception:  # the connector answers failures with None; anything else is a miss too
+            log.exception("storing the hand-over of %s failed", job_id)
+            stored = None
         kv = None
         if stored is not None:
             kv = KVHandle(
                 key=stored.key,
                 size=stored.size,
                 checksum=stored.checksum,
-                layout=snapshot.layout,
+                layout=hand_over.layout,
                 num_tokens=stored.num_tokens,
                 lease_expires_at=time.time() + self.lease_seconds,
             )
         handoff = DecodePayload(
             endpoint=job.payload.endpoint,
             body=job.payload.body,
-            prompt_token_ids=prompt,
-            first_token=first,
-            seed=seed,
+            prompt_token_ids=job.payload.prompt_token_ids,
+            first_token=hand_over.first_token,
+            seed=hand_over.seed,
             sampling=job.payload.sampling,
             kv=kv,
             cached_tokens=job.cached_tokens,
@@ -257,10 +300,23 @@ class PrefillWorker(EngineWorker):
         )
         self.hop(Topic.DECODE, Envelope(type="decode", job_id=job_id, payload=handoff.model_dump()), job.span)
 
-    def _store_prefix(self, job_id: str, job: _Job, snapshot: StateSnapshot, lease: bool = False) -> Stored | None:
-        """Store a state of the prompt where a longer prompt that starts with it can resume."""
-        payload = job.payload
-        return self.cache.save(job_id, payload.tenant, payload.retention, snapshot, self.lease_seconds if lease else 0)
+    def _done(self, job_id: str) -> None:
+        """The job has left this stage: its record may be committed."""
+        del self.jobs[job_id]
+        self.watermarks.release(job_id)
+
+    def _store_prefix(
+        self, job_id: str, job: _Job, snapshot: StateSnapshot, lease: bool = False
+    ) -> Future[Stored | None]:
+        """Store a state of the prompt where a longer prompt that starts with it can resume (on a
+        fetch thread: the engine goes on meanwhile)."""
+        payload, lease_seconds = job.payload, self.lease_seconds if lease else 0
+
+        def store() -> Stored | None:
+            with within(job.span, job_id):
+                return self.cache.save(job_id, payload.tenant, payload.retention, snapshot, lease_seconds)
+
+        return self.fetcher.submit(store)
 
     def close(self) -> None:
         """Stop consuming. Fetches under way finish on their threads (their jobs are admitted if

@@ -12,10 +12,11 @@ import uuid
 import httpx
 import pytest
 
+from cache_svc import wire
 from cache_svc.client import StateClient
-from engine.state_transfer import StateSnapshot
+from cache_svc.store import StateBlobs
 from tests.infra import CacheProcess, fresh_database, require_service
-from tests.test_cache_store import NS, snapshot_of, tokens
+from tests.test_cache_store import NS, state_of, tokens
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +38,28 @@ def cache(tmp_path_factory):
 def test_the_http_api_stores_finds_loads_and_pins(cache):
     _, url, _ = cache
     client = StateClient(url)
-    stored = client.put_prefix(NS, snapshot_of(tokens(300)).to_bytes(), 600, lease_holder="job-9", lease_seconds=60)
+    stored = client.put_prefix(NS, tokens(300), state_of(tokens(300)), 600, lease_holder="job-9", lease_seconds=60)
     assert stored is not None and stored.num_tokens == 300
     match = client.lookup(NS, tokens(310), below=310)
     assert (match.key, match.num_tokens, match.shared_tokens) == (stored.key, 300, 256)
-    snapshot, reason = client.load(stored.key, release="job-9")
-    assert reason is None and snapshot.token_ids == tokens(300)
+    state, reason = client.load(stored.key, release="job-9")
+    assert reason is None and state == state_of(tokens(300))
     assert client.load("anchor-" + "0" * 64) == (None, "evicted")
     assert client.lookup(NS, tokens(50, 7000), below=50).miss_reason == "shorter_than_block"
-    bad = httpx.post(f"{url}/v1/prefix", content=b"not a snapshot", headers={"X-Namespace": NS, "X-TTL-Seconds": "60"})
-    assert bad.status_code == 400 and "unreadable" in bad.json()["error"]["message"]
-    good = snapshot_of(tokens(300))
-    for namespace, snapshot, problem in (
-        (f"{NS.split('/')[0]}/not a tenant", good, "tenant"),
-        (NS, StateSnapshot(good.layout, good.token_ids, 300, 300, 0, good.blocks[:1], good.slot), "block rows"),
-        (NS, StateSnapshot(good.layout, good.token_ids, 300, 301, 0, good.blocks, good.slot), "computed tokens"),
+    good = state_of(tokens(300))
+    for namespace, body, problem in (
+        (NS, b"not an entry", "no complete header"),
+        (NS, b"\x05" + b"\x00" * 7 + b"{oops", "unreadable header"),
+        (NS, wire.pack([good.head]), "one or more token ids"),
+        (NS, wire.pack([]), "head blob"),
+        (NS, wire.pack([good.head, *good.blocks], token_ids=tokens(300))[:-1], "the body has"),
+        (f"{NS.split('/')[0]}/not a tenant", wire.pack([good.head, *good.blocks], token_ids=tokens(300)), "tenant"),
+        (NS, wire.pack([good.head, good.blocks[0]], token_ids=tokens(300)), "1 block blobs for 300 tokens"),
     ):
         headers = {"X-Namespace": namespace, "X-TTL-Seconds": "60"}
-        refused = httpx.post(f"{url}/v1/prefix", content=snapshot.to_bytes(), headers=headers)
+        refused = httpx.post(f"{url}/v1/prefix", content=body, headers=headers)
         assert refused.status_code == 400 and problem in refused.json()["error"]["message"], problem
+    assert client.put_prefix(NS, tokens(300), StateBlobs(b"", []), 60) is None  # refused: the client says so
     missing = httpx.post(f"{url}/v1/prefix", content=b"x")  # no namespace or TTL
     assert missing.status_code == 422
     assert httpx.post(f"{url}/v1/maintenance/nope").status_code == 404
@@ -64,7 +68,7 @@ def test_the_http_api_stores_finds_loads_and_pins(cache):
 def test_celery_beat_runs_the_write_behind_and_cache_stats_shows_it(cache):
     env, url, root = cache
     client = StateClient(url)
-    client.put_prefix(NS, snapshot_of(tokens(600, 50_000)).to_bytes(), 600)
+    client.put_prefix(NS, tokens(600, 50_000), state_of(tokens(600, 50_000)), 600)
     tiers = {t["name"]: t for t in client.stats()["tiers"]}
     assert tiers["disk"]["entries"] < tiers["memory"]["entries"]  # nothing runs maintenance yet
     log = open(root / "celery.log", "w")  # noqa: SIM115 (lives with the process)

@@ -1,28 +1,29 @@
 """The KV cache store: entries stored once per block, tiers, checksums, retention and leases.
 
 Real tiers (a memory dict, real directories, a real Redis server) and a real catalog (the
-stack's PostgreSQL under `make test`), with a controllable clock. Snapshots here are synthetic
-tensors: the store must return exactly what it was given, whatever the engine put in it.
+stack's PostgreSQL under `make test`), with a controllable clock. The store keeps bytes: the
+states here are synthetic bytes, and the store must return exactly what it was given. (How
+the engine's state becomes these bytes: tests/test_state_transfer.py.)
 """
 
 from __future__ import annotations
 
-import math
+import hashlib
+import subprocess
+import sys
 
 import pytest
-import torch
 
 from cache_svc.catalog import Catalog
 from cache_svc.prefix import anchor_key, block_key, chain
-from cache_svc.store import StateStore
+from cache_svc.store import InvalidEntry, StateBlobs, StateStore
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier
-from engine.config import BLOCK_SIZE
-from engine.state_transfer import StateSnapshot
+from common.blocks import BLOCK_SIZE
 from tests.infra import fresh_database, require_service
 
 LAYOUT = "v1-test"
 NS = f"{LAYOUT}/tenant-a"
-ROW = 256  # floats per block row: 1 KiB per block
+ROW = 1024  # bytes per block blob
 
 
 class Clock:
@@ -54,38 +55,36 @@ def tokens(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
-def snapshot_of(token_ids: list[int]) -> StateSnapshot:
-    """A state for these tokens whose every value depends on the tokens (so blocks of a common
-    prefix are equal, as the engine's are)."""
-    n_blocks = math.ceil(len(token_ids) / BLOCK_SIZE)
-    blocks = torch.stack(
-        [torch.full((ROW,), float(sum(token_ids[: (i + 1) * BLOCK_SIZE]) % 9973)) for i in range(n_blocks)]
-    )
-    window = torch.tensor(token_ids[-8:], dtype=torch.float32)
-    return StateSnapshot(LAYOUT, token_ids, len(token_ids), len(token_ids), 0, blocks, {"window": window})
+def state_of(token_ids: list[int]) -> StateBlobs:
+    """Bytes for the state after these tokens, all of them depending on the tokens: a block's
+    on the tokens up to its end (so blocks of a common prefix are equal, as the engine's are),
+    the head on all of them."""
+
+    def digest(tokens: list[int], size: int) -> bytes:
+        seed = hashlib.sha256(repr(tokens).encode()).digest()
+        return (seed * (size // len(seed) + 1))[:size]
+
+    blocks = [digest(token_ids[: (i + 1) * BLOCK_SIZE], ROW) for i in range(len(token_ids) // BLOCK_SIZE)]
+    return StateBlobs(digest(token_ids, 300 + len(token_ids) % BLOCK_SIZE), blocks)
 
 
 def put(store: StateStore, token_ids: list[int], ttl: float = 600, namespace: str = NS, **lease) -> str:
-    return store.put_prefix(namespace, snapshot_of(token_ids).to_bytes(), ttl, **lease).key
+    return store.put_prefix(namespace, token_ids, state_of(token_ids), ttl, **lease).key
 
 
-def same(a: StateSnapshot, b: StateSnapshot) -> bool:
-    return (
-        a.token_ids[: a.num_computed] == b.token_ids[: b.num_computed]
-        and torch.equal(a.blocks, b.blocks)
-        and torch.equal(a.slot["window"], b.slot["window"])
-    )
+def same(loaded: StateBlobs | None, token_ids: list[int]) -> bool:
+    return loaded == state_of(token_ids)
 
 
 def test_an_entry_comes_back_exactly_and_shares_its_blocks(tmp_path, database, clock):
     store = make_store(tmp_path, database, clock)
     prompt = tokens(700)
-    first = store.put_prefix(NS, snapshot_of(prompt[:300]).to_bytes(), 600)
-    second = store.put_prefix(NS, snapshot_of(prompt).to_bytes(), 600)
+    first = store.put_prefix(NS, prompt[:300], state_of(prompt[:300]), 600)
+    second = store.put_prefix(NS, prompt, state_of(prompt), 600)
     assert first.key == anchor_key(prompt[:300], NS) and first.num_tokens == 300
     loaded, reason = store.load(second.key)
-    assert reason is None and same(loaded, snapshot_of(prompt))
-    assert same(store.load(first.key)[0], snapshot_of(prompt[:300]))
+    assert reason is None and same(loaded, prompt)
+    assert same(store.load(first.key)[0], prompt[:300])
     catalog = store.catalog.summary()
     assert catalog["anchor"]["entries"] == 2 and catalog["block"]["entries"] == 5  # 2 + 3 new, not 2 + 5
     # the second wrote only its head and its 3 new blocks: not the 2 blocks the first stored
@@ -124,8 +123,34 @@ def test_tenants_and_state_formats_never_share(tmp_path, database, clock):
     assert store.lookup(f"{LAYOUT}/tenant-b", prompt, below=300).shared_tokens == 0  # not even its blocks
     assert store.lookup("v2-other/tenant-a", prompt, below=300).key is None
     assert store.lookup(NS, prompt, below=300).num_tokens == 200
-    with pytest.raises(Exception, match="layout"):
-        store.put_prefix("v2-other/tenant-a", snapshot_of(prompt).to_bytes(), 60)
+
+
+@pytest.mark.parametrize(
+    "namespace, token_ids, state, problem",
+    [
+        (f"{LAYOUT}/not a tenant", tokens(300), state_of(tokens(300)), "tenant"),
+        ("tenant-a", tokens(300), state_of(tokens(300)), "tenant"),
+        (NS, [], state_of([]), "one or more token ids"),
+        (NS, [1, -2], state_of([1, 2]), "one or more token ids"),
+        (NS, tokens(300), StateBlobs(b"head", state_of(tokens(300)).blocks[:1]), "1 block blobs for 300 tokens"),
+        (NS, tokens(300), StateBlobs(b"head", [b"a" * 10, b"b" * 11]), "different sizes"),
+    ],
+)
+def test_what_no_engine_could_send_is_refused(tmp_path, database, clock, namespace, token_ids, state, problem):
+    store = make_store(tmp_path, database, clock)
+    with pytest.raises(InvalidEntry, match=problem):
+        store.put_prefix(namespace, token_ids, state, 60)
+    assert len(store) == 0
+
+
+def test_the_cache_service_imports_neither_torch_nor_the_engine():
+    """It stores bytes and metadata: it can run where no model can (and starts in a moment)."""
+    code = (
+        "import sys, cache_svc.app, cache_svc.client, cache_svc.maintenance, cache_svc.store; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'engine', 'safetensors'}))"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert found.strip() == "[]"
 
 
 def test_a_corrupt_blob_is_a_miss_and_its_entry_is_removed(tmp_path, database, clock):
@@ -138,7 +163,7 @@ def test_a_corrupt_blob_is_a_miss_and_its_entry_is_removed(tmp_path, database, c
     # the bad block went too: storing the prefix again writes it anew, and it loads
     assert not (tmp_path / "a-disk" / block).exists()
     key = put(store, tokens(300))
-    assert same(store.load(key)[0], snapshot_of(tokens(300)))
+    assert same(store.load(key)[0], tokens(300))
 
 
 def test_ttl_expiry_renewal_on_hit_and_the_sweep(tmp_path, database, clock):
@@ -204,7 +229,7 @@ def test_persisted_tiers_survive_a_restart(tmp_path, database, clock):
     restarted = make_store(tmp_path, database, clock)  # memory is gone; disk and catalog are not
     assert restarted.tiers[1].used_bytes > 0 and not restarted.tiers[0].lru
     assert restarted.lookup(NS, tokens(501), below=501).key == key
-    assert same(restarted.load(key)[0], snapshot_of(tokens(500)))
+    assert same(restarted.load(key)[0], tokens(500))
 
 
 def test_a_restart_forgets_what_only_memory_held_and_only_its_own(tmp_path, database, clock):
@@ -219,7 +244,7 @@ def test_a_restart_forgets_what_only_memory_held_and_only_its_own(tmp_path, data
     theirs = put(other, tokens(400, start=10_000))
     restarted = make_store(tmp_path, database, clock, name="a")  # a's memory is gone
     assert restarted.lookup(NS, tokens(601), below=602).key == survivor
-    assert same(restarted.load(survivor)[0], snapshot_of(tokens(300)))
+    assert same(restarted.load(survivor)[0], tokens(300))
     assert lost not in restarted.catalog.get([lost])
     assert theirs in restarted.catalog.get([theirs]) and other.load(theirs)[0] is not None
 
@@ -243,7 +268,7 @@ def test_another_replica_hits_through_the_shared_tier(tmp_path, database, clock,
     match = b.lookup(NS, tokens(450), below=450)
     assert match.key == key
     snapshot, reason = b.load(key)
-    assert reason is None and same(snapshot, snapshot_of(tokens(400)))
+    assert reason is None and same(snapshot, tokens(400))
     assert b.tiers[0].holds(key)  # promoted into B's memory
     if backend == "redis":
         a.tiers[-1].client.delete(*[a.tiers[-1].prefix + k for k in a.tiers[-1].lru])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import BLOCK_SIZE, ModelConfig
+from common.blocks import BLOCK_SIZE
+from engine.config import ModelConfig
 from engine.make_model import preset_config
 from engine.state_cache import BlockAllocator, OutOfBlocksError, StateCache, StateLayout
 

@@ -114,3 +114,36 @@ def test_export_needs_a_running_request(engine):
         engine.export_state("w")  # still waiting: nothing computed
     with pytest.raises(UnknownRequestError):
         engine.export_state("nope")
+
+
+def test_a_state_split_for_the_cache_and_joined_again_continues_exactly(tiny_model):
+    """What the KV cache stores of a state: a blob per full block (equal for prompts that share
+    the block: stored once) and a head. Joined again it is the same state: the longer prompt
+    continues from it to the tokens a cold run gives."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    short, extra = random_prompts([300, 100], seed=24)
+    longer = short + extra
+    engine = LLMEngine(tiny_model)
+    _, data = prefill_and_export(engine, "short", short, params)
+    _, longer_data = prefill_and_export(engine, "longer", longer, params)
+    tokens, head, rows = StateSnapshot.from_bytes(data).split()
+    assert tokens == short and len(rows) == 2 and len(set(map(len, rows))) == 1
+
+    joined = StateSnapshot.joined(head, rows)
+    # the longer prompt's first two blocks: the same state (computed in another batch shape,
+    # so up to rounding; the cache keeps whichever came first)
+    longer_rows = StateSnapshot.from_bytes(longer_data).split()[2][:2]
+    as_numbers = [torch.frombuffer(bytearray(b"".join(b)), dtype=joined.blocks.dtype) for b in (rows, longer_rows)]
+    assert torch.allclose(*as_numbers, atol=1e-4)
+    assert joined.token_ids == short and joined.seed == 0  # canonical: no request's seed or output
+    assert torch.equal(joined.blocks, StateSnapshot.from_bytes(data).blocks)
+    expected = LLMEngine(tiny_model).generate([longer], params)[0].token_ids
+    assert engine.import_prefix("resumed", joined, longer, params)
+    assert decode_to_end(engine)["resumed"] == expected
+
+    with pytest.raises(SnapshotError, match="1 block rows for a state of 300 tokens"):
+        StateSnapshot.joined(head, rows[:1])
+    with pytest.raises(SnapshotError, match="wrong size"):
+        StateSnapshot.joined(head, [rows[0], rows[1][:-2]])
+    with pytest.raises(SnapshotError, match="unreadable"):
+        StateSnapshot.joined(b"garbage", rows)
