@@ -154,7 +154,6 @@ class Replay:
             self.waiting[job_id] = inbox
         payload = PrefillPayload(
             endpoint="chat.completions",
-            body={},
             prompt_token_ids=prompt,
             sampling=Sampling(max_tokens=max_tokens, temperature=0, top_p=1),
         )
@@ -166,7 +165,7 @@ class Replay:
         while True:
             arrived, seq, tokens = inbox.get(timeout=600)
             if seq == 0:
-                ttft, cached = arrived - sent, tokens.start.cached_tokens
+                ttft, cached = arrived - sent, tokens.cached_tokens
             generated.extend(tokens.token_ids)
             if tokens.finished:
                 break

@@ -110,10 +110,10 @@ class Sampling(BaseModel):
 
 
 class PrefillPayload(BaseModel):
-    """`prefill`: a tokenized request, ready for the engine."""
+    """`prefill`: a tokenized request, ready for the engine. (Its API body went to `tokens`
+    ahead of it, in a JobStart: prefill and decode never need it.)"""
 
-    endpoint: Endpoint
-    body: dict[str, Any]
+    endpoint: Endpoint  # the shape of an error prefill answers itself
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: Sampling
     tenant: TenantId = "default"
@@ -135,7 +135,6 @@ class DecodePayload(BaseModel):
     """`decode`: a prefilled request, its first token, and where its state is."""
 
     endpoint: Endpoint
-    body: dict[str, Any]
     prompt_token_ids: list[int] = Field(min_length=1)
     first_token: int
     seed: int
@@ -147,19 +146,22 @@ class DecodePayload(BaseModel):
 
 
 class JobStart(BaseModel):
-    """What the output side needs to rebuild a job's response from scratch."""
+    """`tokens`, type `start`: what the output side needs to build a job's response, sent by
+    the tokenizer ahead of the job's prefill, so that the job's tokens find it in their
+    partition (the same: both are keyed by the job id) and the body travels once."""
 
     endpoint: Endpoint
     body: dict[str, Any]
-    prompt_tokens: int
-    cached_tokens: int = 0
 
 
 class TokensPayload(BaseModel):
     """`tokens`: generated token ids of one job, the envelope's seq being the index of the first;
-    seq 0 carries `start` and prefill's token."""
+    seq 0 carries prefill's token and the prompt's token counts. Every job that has a `start`
+    on this topic ends on it: with a message that is `finished`, or a `cancel` from the stage
+    where it ended without one (cancelled or refused in prefill or decode)."""
 
-    start: JobStart | None = None
+    prompt_tokens: int | None = None  # seq 0
+    cached_tokens: int = 0  # seq 0: prompt tokens served from the KV cache
     token_ids: list[int] = Field(default_factory=list)
     finished: bool = False
     finish_reason: Literal["stop", "length", "abort"] | None = None

@@ -235,6 +235,11 @@ class EngineWorker(Worker):
     def _admit(self, job_id: str, job: Any) -> None:
         raise NotImplementedError
 
+    def end_here(self, job_id: str) -> None:
+        """A job ends in this stage without a finished tokens message (cancelled, or refused):
+        say so on `tokens`, where the output side holds the job's start until the job ends."""
+        self.send(Topic.TOKENS, Envelope(type="cancel", job_id=job_id))
+
     def drop(self, job_id: str) -> bool:
         """Forget a job wherever it is here (a prefill's fetch result is then dropped too) and free
         its state in the engine."""

@@ -17,7 +17,7 @@ from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
-from common.messages import BadMessage, DecodePayload, Envelope, JobStart, TokensPayload, payload_of
+from common.messages import BadMessage, DecodePayload, Envelope, TokensPayload, payload_of
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, start_span, within
 from common.worker import EarlyCancels, EngineWorker
@@ -74,10 +74,13 @@ class DecodeWorker(EngineWorker):
                 self.dead_letter(record, err)
                 continue
             job_id = envelope.job_id
-            if job_id in self.jobs or self.cancelled.take(job_id):
+            cancelled = job_id not in self.jobs and self.cancelled.take(job_id)
+            if job_id in self.jobs or cancelled:
                 # a replay of a job here (a prefill did it twice), or one cancelled before it came:
                 # free the state prefill left for it
                 self._release(job_id, payload)
+                if cancelled:
+                    self.end_here(job_id)
                 self.watermarks.seen(record)
                 continue
             span = start_span("decode", job_id, context_of(record.headers), SpanKind.CONSUMER)
@@ -137,17 +140,16 @@ class DecodeWorker(EngineWorker):
             del self.jobs[job_id]
             job.span.end()
             self.dead_letter(job.record, err)
+            self.end_here(job_id)
             self.watermarks.release(job_id)
             return
         job.span.set_attribute("deepmesh.state", outcome)
         metrics.STATE_HANDOFFS.labels(outcome).inc()
-        start = JobStart(
-            endpoint=payload.endpoint,
-            body=payload.body,
+        seq0 = TokensPayload(
             prompt_tokens=len(payload.prompt_token_ids),
             cached_tokens=payload.cached_tokens,
+            token_ids=[payload.first_token],
         )
-        seq0 = TokensPayload(start=start, token_ids=[payload.first_token])
         self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=seq0.model_dump()), job.span)
 
     def cancel(self, job_id: str) -> None:
@@ -158,6 +160,7 @@ class DecodeWorker(EngineWorker):
             return
         if job.fetch is not None:  # not started: nobody has seen a token of it
             self.drop(job_id)
+            self.end_here(job_id)
             self.watermarks.release(job_id)
             return
         del self.jobs[job_id]

@@ -27,7 +27,6 @@ from common.messages import (
     BadMessage,
     DecodePayload,
     Envelope,
-    JobStart,
     KVHandle,
     PrefillPayload,
     ResultPayload,
@@ -115,7 +114,11 @@ class PrefillWorker(EngineWorker):
                 self.dead_letter(record, err)
                 continue
             job_id = envelope.job_id
-            if job_id in self.jobs or self.cancelled.take(job_id):  # a replay, or cancelled before it came
+            if job_id in self.jobs:  # a replay
+                self.watermarks.seen(record)
+                continue
+            if self.cancelled.take(job_id):  # cancelled before it came
+                self.end_here(job_id)
                 self.watermarks.seen(record)
                 continue
             sampling = payload.sampling
@@ -138,6 +141,7 @@ class PrefillWorker(EngineWorker):
     def cancel(self, job_id: str) -> None:
         """Drop a job now, wherever it is here; a cancel that comes first drops it on arrival."""
         if self.drop(job_id):
+            self.end_here(job_id)
             self.watermarks.release(job_id)
         else:
             self.cancelled.add(job_id)
@@ -178,6 +182,7 @@ class PrefillWorker(EngineWorker):
         except EngineError as err:
             with within(job.span, job_id, end=True):
                 self._fail(job_id, str(err), job.span)
+                self.end_here(job_id)
             del self.jobs[job_id]
             self.watermarks.release(job_id)
             return
@@ -238,13 +243,13 @@ class PrefillWorker(EngineWorker):
         its state for decode (the job goes on once it is stored: `_send_stored`)."""
         job_id, first, prompt = out.request_id, out.new_token_ids[0], job.payload.prompt_token_ids
         if out.finished:  # done at the first token: no decode needed
-            start = JobStart(
-                endpoint=job.payload.endpoint,
-                body=job.payload.body,
+            tokens = TokensPayload(
                 prompt_tokens=len(prompt),
                 cached_tokens=job.cached_tokens,
+                token_ids=[first],
+                finished=True,
+                finish_reason=out.finish_reason,
             )
-            tokens = TokensPayload(start=start, token_ids=[first], finished=True, finish_reason=out.finish_reason)
             with within(job.span, job_id, end=True):
                 self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
             if out.final_state is not None:
@@ -288,7 +293,6 @@ class PrefillWorker(EngineWorker):
             )
         handoff = DecodePayload(
             endpoint=job.payload.endpoint,
-            body=job.payload.body,
             prompt_token_ids=job.payload.prompt_token_ids,
             first_token=hand_over.first_token,
             seed=hand_over.seed,

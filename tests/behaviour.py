@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from common.bus import Bus, MemoryBus
 from common.claims import ClaimStore
-from common.messages import Envelope, JobStart, PrefillPayload, RequestPayload, ResultPayload, TokensPayload, decode
+from common.messages import Envelope, PrefillPayload, RequestPayload, ResultPayload, TokensPayload, decode
 from common.topics import Topic, all_topic_names, topic_name
 from engine import LLMEngine, SamplingParams
 from gateway.app import create_app
@@ -134,10 +134,7 @@ class ScriptedModel:
                     envelope = decode(record.value, "prefill")
                     request = PrefillPayload.model_validate(envelope.payload)
                     ids = [*self.tokenizer.encode(self.reply, add_special_tokens=False).ids, self.eos]
-                    start = JobStart(
-                        endpoint=request.endpoint, body=request.body, prompt_tokens=len(request.prompt_token_ids)
-                    )
-                    first = TokensPayload(start=start, token_ids=ids[:1])
+                    first = TokensPayload(prompt_tokens=len(request.prompt_token_ids), token_ids=ids[:1])
                     rest = TokensPayload(token_ids=ids[1:], finished=True, finish_reason="stop")
                     for seq, payload in enumerate((first, rest)):
                         message = Envelope(type="tokens", job_id=envelope.job_id, seq=seq, payload=payload.model_dump())

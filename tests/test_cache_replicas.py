@@ -54,7 +54,6 @@ def prefill_once(
     handoffs = bus.consumer([topic_name(Topic.DECODE, prefix)], f"test-{uuid.uuid4().hex[:6]}", from_beginning=False)
     payload = PrefillPayload(
         endpoint="chat.completions",
-        body={},
         prompt_token_ids=prompt,
         sampling=Sampling(max_tokens=8, temperature=0, top_p=1),
     )

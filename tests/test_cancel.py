@@ -37,7 +37,6 @@ def _send(bus, prefix, topic: Topic, envelope: Envelope) -> None:
 def _prefill(job_id: str, prompt_len: int, max_tokens: int = 500) -> Envelope:
     payload = PrefillPayload(
         endpoint="chat.completions",
-        body={},
         prompt_token_ids=random_prompts([prompt_len], seed=len(job_id))[0],
         sampling=Sampling(max_tokens=max_tokens, temperature=0, top_p=1),
     )
@@ -49,6 +48,14 @@ def _handoffs(bus, prefix) -> list[DecodePayload]:
     envelopes = [decode(r.value) for r in consumer.poll(timeout=0.1, max_records=1000)]
     consumer.close()
     return [e for e in envelopes if e.type == "decode"]
+
+
+def _ended(bus, prefix) -> list[str]:
+    """The jobs a stage said on `tokens` it ended unfinished (so the tokenizer lets their start go)."""
+    consumer = bus.consumer([topic_name(Topic.TOKENS, prefix)], f"reader-{uuid.uuid4().hex[:6]}")
+    envelopes = [decode(r.value) for r in consumer.poll(timeout=0.1, max_records=1000)]
+    consumer.close()
+    return [e.job_id for e in envelopes if e.type == "cancel"]
 
 
 def _payload(envelope: Envelope) -> DecodePayload:
@@ -72,6 +79,7 @@ def test_prefill_drops_a_job_cancelled_before_it_came(stages):
     assert [h.job_id for h in _handoffs(bus, prefix)] == ["other"]
     assert "early" not in prefill.jobs and not prefill.engine.seqs
     assert prefill.watermarks.offsets()[(topic_name(Topic.PREFILL, prefix), 0)] == 3  # all of it done with
+    assert _ended(bus, prefix) == ["early"]
 
 
 def _free_state(engine: LLMEngine) -> tuple[int, int]:
@@ -92,6 +100,7 @@ def test_prefill_frees_a_job_cancelled_while_it_prefills(stages, tiny_checkpoint
     for _ in range(20):
         prefill.run_once(timeout=0.01)
     assert _handoffs(bus, prefix) == []  # and nothing went on to decode
+    assert _ended(bus, prefix) == ["long"]
     prefill.close()
 
 
@@ -107,6 +116,7 @@ def test_decode_drops_a_job_cancelled_before_it_came_and_releases_its_lease(stag
     decode_worker.run_once(timeout=0.01)
     assert "queued" not in decode_worker.jobs and not decode_worker.engine.seqs
     assert store.catalog.pinned_by("queued") == []
+    assert _ended(bus, prefix) == ["queued"]
 
 
 def test_decode_frees_a_job_cancelled_while_it_decodes(stages):
@@ -120,3 +130,4 @@ def test_decode_frees_a_job_cancelled_while_it_decodes(stages):
     assert "running" not in decode_worker.jobs and not decode_worker.engine.seqs
     assert _free_state(decode_worker.engine) == free
     assert store.catalog.pinned_by("running") == []
+    assert _ended(bus, prefix) == []  # it ends on `tokens` as finished (abort), like every started job

@@ -74,10 +74,13 @@ def token_ids() -> list[int]:
 
 
 def _tokens_messages(job_id: str, token_ids: list[int], sizes: list[int]) -> list[Envelope]:
-    """What decode sends for a job: the start with the first token, then groups of these sizes."""
-    start = JobStart(endpoint="chat.completions", body=BODY, prompt_tokens=12)
+    """What a job's `tokens` partition holds: the tokenizer's start, the first token with the
+    prompt's counts, then groups of these sizes."""
+    start = JobStart(endpoint="chat.completions", body=BODY)
+    first = TokensPayload(prompt_tokens=12, token_ids=token_ids[:1])
     messages = [
-        Envelope(type="tokens", job_id=job_id, payload=TokensPayload(start=start, token_ids=token_ids[:1]).model_dump())
+        Envelope(type="start", job_id=job_id, payload=start.model_dump()),
+        Envelope(type="tokens", job_id=job_id, payload=first.model_dump()),
     ]
     index = 1
     for size in sizes:
@@ -166,6 +169,33 @@ def test_a_tokenizer_that_dies_and_is_replayed_loses_and_repeats_nothing(token_i
     assert _stripped(stored) == _stripped(expected)
     assert store.get("job-1").status == "succeeded"
     store.close()
+
+
+def test_a_start_is_held_until_its_job_ends_there(token_ids):
+    """The tokenizer holds a job's start (uncommitted) until the job ends on `tokens`: finished,
+    or cancelled by the stage where it ended unfinished. Then its commit passes it."""
+    codec = Codec(TOKENIZER, [MODEL], context_limit=8192, stop_ids={1})
+    bus, prefix = MemoryBus(), "held."
+    bus.create_topics(all_topic_names(prefix), 1)
+    tokenizer = TokenizerWorker(bus, prefix, codec)
+    where = (topic_name(Topic.TOKENS, prefix), 0)
+    done = _tokens_messages("done", token_ids, [len(token_ids) - 1])  # start, first token, the rest
+    gone = [
+        Envelope(type="start", job_id="gone", payload=JobStart(endpoint="chat.completions", body=BODY).model_dump()),
+        Envelope(type="cancel", job_id="gone"),  # refused in prefill, say
+    ]
+    _produce(bus, prefix, [done[0], gone[0]])
+    tokenizer.run_once()
+    assert tokenizer.watermarks.offsets()[where] == 0 and set(tokenizer.jobs) == {"done", "gone"}
+    _produce(bus, prefix, done[1:])
+    tokenizer.run_once()
+    assert tokenizer.watermarks.offsets()[where] == 1  # "done" ended; "gone"'s start is still held
+    _produce(bus, prefix, gone[1:])
+    tokenizer.run_once()
+    assert tokenizer.watermarks.offsets()[where] == 5 and not tokenizer.jobs
+    assert [m.payload["done"] for m in _results(bus, prefix, "done")] == [True]
+    assert _results(bus, prefix, "gone") == []  # its answer came from where it ended
+    tokenizer.close()
 
 
 def test_the_job_store_holds_a_message_past_a_gap_until_the_gap_is_filled(tmp_path):

@@ -4,9 +4,10 @@ One request is both limits at once: its body is exactly the gateway's limit (8 M
 of 12,000 tokens and, in a field no prompt renders, the rest) and its prompt fills the whole
 context of a model made for it, but for its max_tokens. The body is 8 times Kafka's default
 1 MB record limit and, with the claim threshold at 64 KiB here, the token list is over it too,
-so every hop carries them as claim checks (common/claims.py): the requests, prefill, decode
-and tokens records, in the embedded mode over the in-process bus and in the distributed mode
-over Kafka. The answer is the one process's greedy answer.
+so the records that carry them travel as claim checks (common/claims.py), in the embedded
+mode over the in-process bus and in the distributed mode over Kafka. The body travels twice
+(the request, and the job's start on `tokens`), never through prefill and decode, which get
+the token list. The answer is the one process's greedy answer.
 """
 
 from __future__ import annotations
@@ -77,8 +78,12 @@ def check(url: str, body: dict, expected: dict, claims: Path) -> None:
     result = answer.json()
     assert result["choices"][0]["message"] == expected["choices"][0]["message"]
     assert result["usage"]["prompt_tokens"] + MAX_TOKENS == result["usage"]["total_tokens"] >= MAX_TOKENS
-    claimed = sorted(p.stat().st_size for p in claims.glob("??/*"))
-    assert len(claimed) >= 4 and claimed[-1] > MAX_BODY_BYTES, claimed  # request, prefill, decode, tokens
+    sizes: dict[str, list[int]] = {}  # claimed record values by envelope type
+    for path in claims.glob("??/*"):
+        sizes.setdefault(json.loads(path.read_bytes())["type"], []).append(path.stat().st_size)
+    assert {"request", "start", "prefill", "decode"} <= set(sizes), sizes
+    assert min(sizes["request"] + sizes["start"]) > MAX_BODY_BYTES, sizes  # the body
+    assert max(sizes["prefill"] + sizes["decode"]) < MAX_BODY_BYTES // 8, sizes  # the token list, not the body
 
 
 def test_the_largest_request_through_the_embedded_mesh(long_context, expected, tmp_path):

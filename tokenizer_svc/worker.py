@@ -1,4 +1,11 @@
-"""The tokenizer service: `requests` -> `prefill` on the way in, `tokens` -> `results` on the way out."""
+"""The tokenizer service: `requests` -> `prefill` on the way in, `tokens` -> `results` on the way out.
+
+On the way in, a request becomes two records: its start (endpoint and API body) on `tokens`,
+then its token ids on `prefill`. Prefill and decode never see the body; the output side finds
+the start ahead of the job's tokens in their partition (both are keyed by the job id) and
+holds it, uncommitted, until the job ends there: finished, or a `cancel` from the stage where
+it ended without finishing.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from common.job_streams import StreamCursor
 from common.messages import (
     BadMessage,
     Envelope,
+    JobStart,
     PrefillPayload,
     RequestPayload,
     ResultPayload,
@@ -24,17 +32,18 @@ from common.messages import (
 )
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span
-from common.worker import Worker
+from common.worker import EarlyCancels, Worker
 from tokenizer_svc.protocol import Codec, Event, OutputStream, ProtocolError
 
 
 @dataclass
 class _Job:
     output: OutputStream
-    span: Span  # the job's output conversion, from its first tokens to its last
+    span: Span  # the job's output conversion, from its start to its last tokens
     headers: dict[str, bytes] = field(default_factory=dict)  # the span's context, on every results message
     tokens: StreamCursor[TokensPayload] = field(default_factory=StreamCursor)  # the token ids taken so far
     events_sent: int = 0  # events in the results messages so far: the next one's seq
+    started: bool = False  # the response's opening events are out (with the prompt's token counts)
 
 
 class TokenizerWorker(Worker):
@@ -45,6 +54,7 @@ class TokenizerWorker(Worker):
         super().__init__(bus, topic_prefix)
         self.codec = codec
         self.jobs: dict[str, _Job] = {}
+        self.cancelled = EarlyCancels()  # jobs that ended before their start came
 
     def handle(self, records: list[Record]) -> None:
         # a job's tokens messages from one poll become one results message: when the worker
@@ -96,7 +106,6 @@ class TokenizerWorker(Worker):
             prompt = self.codec.prompt(request.endpoint, request.body)
             prefill = PrefillPayload(
                 endpoint=request.endpoint,
-                body=request.body,
                 prompt_token_ids=prompt.token_ids,
                 sampling=Sampling(
                     max_tokens=prompt.max_tokens, temperature=prompt.temperature, top_p=prompt.top_p, seed=prompt.seed
@@ -111,6 +120,9 @@ class TokenizerWorker(Worker):
             self._refuse(envelope.job_id, 400, error_body(request.endpoint, str(err)), span)
             return
         span.set_attribute("deepmesh.prompt_tokens", len(prompt.token_ids))
+        start = JobStart(endpoint=request.endpoint, body=request.body)
+        # first the start, then the job: its tokens, which come after the prefill, find it there
+        self.hop(Topic.TOKENS, Envelope(type="start", job_id=envelope.job_id, payload=start.model_dump()), span)
         message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
         self.hop(Topic.PREFILL, message, span)
 
@@ -121,30 +133,36 @@ class TokenizerWorker(Worker):
         self.hop(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=error.model_dump()), span)
 
     def _on_tokens(self, record: Record, pending: dict[str, list[Event]], finished: dict[str, list[Event]]) -> None:
-        envelope = decode(record.value, "tokens")
-        tokens = payload_of(envelope, TokensPayload)
+        envelope = decode(record.value)
         job_id = envelope.job_id
-        job = None if job_id in finished else self.jobs.get(job_id)  # ended earlier in this poll: nothing to add
-        events: list[Event] = []
-        if job is None:
-            if envelope.seq != 0 or tokens.start is None or job_id in finished:
-                # the job finished here already (this is a replay), or its start was never seen
-                self.watermarks.seen(record)
+        if envelope.type == "start":
+            self._on_start(record, envelope, finished)
+            return
+        if envelope.type == "cancel":  # the job ended upstream, unfinished: nothing more will come
+            self.watermarks.seen(record)
+            if job_id in finished:  # its end is being sent already
                 return
-            endpoint = tokens.start.endpoint
-            span = start_span("tokenizer.output", job_id, context_of(record.headers), SpanKind.CONSUMER)
-            try:
-                output = self.codec.output(endpoint, tokens.start.body, response_id(endpoint, job_id))
-                events = output.start(tokens.start.prompt_tokens, tokens.start.cached_tokens)
-            except Exception as err:
-                span.end()
-                self.watermarks.seen(record)
-                raise OutputFailed(job_id, endpoint, err) from err
-            job = self.jobs[job_id] = _Job(output, span, headers_of(span))
+            if self.drop(job_id):
+                pending.pop(job_id, None)
+                self.watermarks.release(job_id)
+            else:
+                self.cancelled.add(job_id)
+            return
+        if envelope.type != "tokens":
+            raise BadMessage(f"envelope type {envelope.type!r} does not belong on the tokens topic")
+        tokens = payload_of(envelope, TokensPayload)
+        job = None if job_id in finished else self.jobs.get(job_id)  # ended earlier in this poll: nothing to add
+        if job is None:  # the job ended here already: this is a replay
+            self.watermarks.seen(record)
+            return
+        events: list[Event] = []
         self.watermarks.hold(record, job_id)
         try:
             # a replay repeats tokens (skipped) and a message past a gap waits for the ones before it
             for message, taken in job.tokens.take(envelope.seq, len(tokens.token_ids), tokens):
+                if not job.started:  # the stream's first message: prefill's, with the prompt's counts
+                    events += job.output.start(message.prompt_tokens or 0, message.cached_tokens)
+                    job.started = True
                 events += job.output.tokens(message.token_ids[taken:])
                 if message.finished or job.output.complete:
                     if not message.finished:  # a stop sequence ended the answer: decoding the rest is waste
@@ -156,6 +174,26 @@ class TokenizerWorker(Worker):
             self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
             raise OutputFailed(job_id, job.output.endpoint, err) from err
         pending.setdefault(job_id, []).extend(events)
+
+    def _on_start(self, record: Record, envelope: Envelope, finished: dict[str, list[Event]]) -> None:
+        """A job's start: what its response is built from, held until the job ends."""
+        job_id = envelope.job_id
+        if job_id in self.jobs:  # sent again (the request was replayed): held with the first
+            self.watermarks.hold(record, job_id)
+            return
+        start = payload_of(envelope, JobStart)
+        if job_id in finished or self.cancelled.take(job_id):  # it ended already
+            self.watermarks.seen(record)
+            return
+        span = start_span("tokenizer.output", job_id, context_of(record.headers), SpanKind.CONSUMER)
+        try:
+            output = self.codec.output(start.endpoint, start.body, response_id(start.endpoint, job_id))
+        except Exception as err:
+            span.end()
+            self.watermarks.seen(record)
+            raise OutputFailed(job_id, start.endpoint, err) from err
+        self.jobs[job_id] = _Job(output, span, headers_of(span))
+        self.watermarks.hold(record, job_id)
 
     def _result(self, job_id: str, events: list[Event], done: bool) -> tuple[Envelope, dict[str, bytes]]:
         """The job's next results message, carrying these events: its seq is the index of the first."""
