@@ -9,8 +9,6 @@ the engine's state becomes these bytes: tests/test_state_transfer.py.)
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 
 import pytest
 
@@ -141,16 +139,6 @@ def test_what_no_engine_could_send_is_refused(tmp_path, database, clock, namespa
     with pytest.raises(InvalidEntry, match=problem):
         store.put_prefix(namespace, token_ids, state, 60)
     assert len(store) == 0
-
-
-def test_the_cache_service_imports_neither_torch_nor_the_engine():
-    """It stores bytes and metadata: it can run where no model can (and starts in a moment)."""
-    code = (
-        "import sys, cache_svc.app, cache_svc.client, cache_svc.maintenance, cache_svc.store; "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'engine', 'safetensors'}))"
-    )
-    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert found.strip() == "[]"
 
 
 def test_a_corrupt_blob_is_a_miss_and_its_entry_is_removed(tmp_path, database, clock):

@@ -198,6 +198,34 @@ def test_a_start_is_held_until_its_job_ends_there(token_ids):
     tokenizer.close()
 
 
+def test_a_job_whose_answer_cannot_be_built_fails_alone(token_ids):
+    """A start the output side cannot build a response from (here a body without messages, as a
+    producer other than the tokenizer could send): that job gets a 500 in its protocol's shape at
+    once and is cancelled upstream; a job in the same poll is answered as usual."""
+    codec = Codec(TOKENIZER, [MODEL], context_limit=8192, stop_ids={1})
+    bus, prefix = MemoryBus(), "unbuildable."
+    bus.create_topics(all_topic_names(prefix), 1)
+    tokenizer = TokenizerWorker(bus, prefix, codec)
+    good = _tokens_messages("good", token_ids, [len(token_ids) - 1])
+    bad = Envelope(
+        type="start", job_id="bad", payload=JobStart(endpoint="messages", body={"model": MODEL}).model_dump()
+    )
+    _produce(bus, prefix, [good[0], bad, *good[1:]])
+    tokenizer.run_once()
+    answers = {job: _results(bus, prefix, job)[-1].payload for job in ("good", "bad")}
+    assert answers["good"]["done"] and answers["good"]["status"] == 200
+    assert answers["bad"]["status"] == 500 and answers["bad"]["body"]["type"] == "error"  # Anthropic's shape
+    assert "could not be converted" in answers["bad"]["body"]["error"]["message"]
+    for topic in (Topic.PREFILL, Topic.DECODE):  # nothing is to run for it
+        consumer = bus.consumer([topic_name(topic, prefix)], f"reader-{uuid.uuid4().hex[:6]}")
+        assert [(e.type, e.job_id) for e in map(decode, (r.value for r in consumer.poll(timeout=0.1)))] == [
+            ("cancel", "bad")
+        ]
+        consumer.close()
+    assert tokenizer.watermarks.offsets()[(topic_name(Topic.TOKENS, prefix), 0)] == 4 and not tokenizer.jobs
+    tokenizer.close()
+
+
 def test_the_job_store_holds_a_message_past_a_gap_until_the_gap_is_filled(tmp_path):
     store = JobStore(fresh_database(tmp_path))
     store.create("job-2", "chat.completions", BODY)

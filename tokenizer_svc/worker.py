@@ -188,9 +188,11 @@ class TokenizerWorker(Worker):
         span = start_span("tokenizer.output", job_id, context_of(record.headers), SpanKind.CONSUMER)
         try:
             output = self.codec.output(start.endpoint, start.body, response_id(start.endpoint, job_id))
-        except Exception as err:
+        except Exception as err:  # its answer cannot be built: it ends now, and nothing runs for it
             span.end()
             self.watermarks.seen(record)
+            for topic in (Topic.PREFILL, Topic.DECODE):
+                self.send(topic, Envelope(type="cancel", job_id=job_id))
             raise OutputFailed(job_id, start.endpoint, err) from err
         self.jobs[job_id] = _Job(output, span, headers_of(span))
         self.watermarks.hold(record, job_id)
