@@ -41,7 +41,10 @@ STATE_HANDOFFS = Counter(
     "deepmesh_state_handoffs", "Decode starts, by how the state arrived (loaded or recomputed)", ["outcome"]
 )
 PREFIX_TOKENS = Counter(
-    "deepmesh_prefix_cache_tokens", "Prompt tokens loaded from a stored prefix (hit) or computed (miss)", ["outcome"]
+    "deepmesh_prefix_cache_tokens",
+    "Prompt tokens served from the engine's own memory (resident), loaded from the cache service (hit) "
+    "or computed (miss)",
+    ["outcome"],
 )
 STATE_BYTES = Counter("deepmesh_state_bytes", "Bytes of state moved through the cache service", ["direction"])
 

@@ -44,3 +44,6 @@ class Settings(BaseSettings):
     cache_shared_bytes: int = 0  # T3 capacity; 0: unbounded
     cache_anchor_interval: int = 1024  # tokens between the anchors stored inside a long prompt; 0: none
     cache_maintenance_seconds: float = 2.0  # how often write-behind, expiry, rebalancing and GC run
+    # tier 0: prefix states an engine keeps in its own blocks (engine/resident_prefixes.py); the
+    # bytes of their slot copies (window rings, open windows); 0: none kept
+    resident_prefix_bytes: int = 256 << 20

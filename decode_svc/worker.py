@@ -123,6 +123,7 @@ class DecodeWorker(EngineWorker):
             top_p=sampling.top_p,
             seed=payload.seed,
             keep_final_state=True,  # stored below as where the conversation's next turn can resume
+            prefix_namespace=payload.tenant,
         )
         try:
             with within(job.span, job_id):

@@ -183,6 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         retention=Retention.from_settings(settings),
         anchor_interval=settings.cache_anchor_interval,
         maintenance_seconds=settings.cache_maintenance_seconds,
+        resident_prefix_bytes=settings.resident_prefix_bytes,
     )
     mesh.start([mesh.tokenizer])
     app = create_app(
@@ -323,7 +324,9 @@ def _make_worker(command: str, bus, settings, model: Path):
     from cache_svc.retention import Retention
     from engine import LLMEngine
 
-    engine = LLMEngine.from_pretrained(model)
+    # decode never starts from a prefix, so it keeps none resident
+    resident = settings.resident_prefix_bytes if command == "prefill" else 0
+    engine = LLMEngine.from_pretrained(model, resident_prefix_bytes=resident)
     retention = Retention.from_settings(settings)
     if command == "prefill":
         from prefill_svc.worker import PrefillWorker

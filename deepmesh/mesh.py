@@ -42,7 +42,9 @@ class Mesh:
         self.bus = bus
         bus.create_topics(all_topic_names(topic_prefix), partitions)
         prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
-        decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **engine_options)  # one copy
+        # one copy of the weights; decode never starts from a prefix, so it keeps none resident
+        decode_options = {**engine_options, "resident_prefix_bytes": 0}
+        decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **decode_options)
         codec = Codec.for_model(model_path, served_model)
         self.store = store
         self.maintenance_seconds = maintenance_seconds

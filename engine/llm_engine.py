@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
+from common.blocks import BLOCK_SIZE
 from engine.backends import keep_freed_memory_in_process, select_backend
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.loader import load_model, weights_id
 from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
+from engine.resident_prefixes import ResidentPrefix, ResidentPrefixes
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, SequenceStatus
@@ -31,11 +33,14 @@ class LLMEngine:
         max_model_len: int | None = None,
         num_blocks: int | None = None,
         state_memory_bytes: int = 4 << 30,
+        resident_prefix_bytes: int = 256 << 20,
         kernel_backend: str | None = None,
         weights: str = "",
     ):
         """`weights` names the checkpoint (loader.weights_id): part of the state layout, so that
-        state is only ever shared between engines running the same weights."""
+        state is only ever shared between engines running the same weights.
+        `resident_prefix_bytes`: how much slot state the resident prefixes may copy (their blocks
+        cost nothing: they are free blocks not yet reused; engine/resident_prefixes.py)."""
         self.model = model
         self.config: ModelConfig = model.config
         self.device = model.lm_head.weight.device
@@ -56,6 +61,8 @@ class LLMEngine:
             num_blocks = max(1, min(wanted, affordable))
         self.cache = StateCache(self.config, num_blocks, max_num_seqs, self.dtype, self.device)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.resident = ResidentPrefixes(resident_prefix_bytes)
+        self.cache.block_allocator.on_reuse = self.resident.block_reused
         self.sampler = Sampler()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.seqs: dict[str, Sequence] = {}
@@ -126,7 +133,7 @@ class LLMEngine:
         prefix cache entry), without the tokens that follow them."""
         n_blocks = self.cache.blocks_needed(seq.num_computed) if self.cache.uses_blocks else 0
         token_ids = seq.token_ids[: seq.num_computed] if prefix_only else seq.token_ids
-        return StateSnapshot(
+        snapshot = StateSnapshot(
             layout=self.layout,
             token_ids=token_ids,
             prompt_len=len(token_ids) if prefix_only else len(seq.prompt_token_ids),
@@ -136,6 +143,54 @@ class LLMEngine:
             slot=self.cache.read_slot(seq.slot),
             last_hidden=seq.last_hidden,
         )
+        # the same state, where it already is: in this engine's blocks (tier 0)
+        resident = ResidentPrefix(seq.num_computed, seq.block_table[:n_blocks], snapshot.slot, seq.last_hidden)
+        self.resident.add(seq.params.prefix_namespace, seq.token_ids[: seq.num_computed], resident)
+        return snapshot
+
+    def import_resident(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        sampling_params: SamplingParams,
+        snapshot_at: SequenceOf[int] = (),
+        at_least: int = 1,
+    ) -> int:
+        """Start a request from the longest prefix of its prompt (of at least `at_least` tokens)
+        whose state this engine still holds in its own memory, in the request's namespace (its
+        params' prefix_namespace): its full blocks are shared, its partial block copied, nothing
+        loaded. Returns the prompt tokens served from it; 0 (and
+        nothing added) when none is held or there is no room for it now.
+
+        The outcome is add_request's, as with import_prefix: the state is that of these tokens."""
+        prompt = self._validate_tokens(prompt_token_ids)
+        entry = self.resident.longest(sampling_params.prefix_namespace, prompt, len(prompt))
+        if entry is None or entry.num_tokens < at_least or entry.last_hidden is None:
+            return 0
+        allocator, cached = self.cache.block_allocator, entry.num_tokens
+        full = cached // BLOCK_SIZE if self.cache.uses_blocks else 0
+        partial = entry.block_ids[full:]  # the block the next tokens write into: copied
+        taken_from_free = sum(allocator.ref_counts[b] == 0 for b in entry.block_ids)
+        if self.cache.num_free_slots == 0 or allocator.num_free - taken_from_free < len(partial):
+            return 0
+        self.add_request(request_id, prompt, sampling_params, [p for p in snapshot_at if p > cached])
+        seq = self.seqs[request_id]
+        self.scheduler.waiting.remove(seq)
+        for block_id in entry.block_ids:  # first, so that allocating the copy cannot reuse them
+            allocator.revive(block_id)
+        table = entry.block_ids[:full]
+        for block_id in partial:
+            copy = allocator.allocate()
+            self.cache.blocks[copy] = self.cache.blocks[block_id]
+            allocator.release(block_id)
+            table.append(copy)
+        seq.block_table = table
+        seq.slot = self.cache.allocate_slot()
+        self.cache.write_slot(seq.slot, entry.slot)
+        seq.num_computed, seq.last_hidden = cached, entry.last_hidden
+        self.scheduler.add_running(seq)
+        self.resident.hits += 1
+        return cached
 
     def import_state(self, request_id: str, snapshot: StateSnapshot, sampling_params: SamplingParams) -> bool:
         """Continue a request from another engine's snapshot; the next step decodes it.

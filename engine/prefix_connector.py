@@ -48,11 +48,13 @@ class PrefixConnector:
         retention_class: str,
         prompt: list[int],
         too_slow: Callable[[PrefixMatch], bool] = lambda match: False,
+        held: int = 0,
     ) -> tuple[StateSnapshot | None, PrefixMatch]:
         """The longest stored prefix of a prompt (the whole prompt too: a repeat is answered
         from its last hidden state), loaded, and the match it came from. A prefix that fails to
         load is dropped by the store and the next-longest is tried; one that `too_slow` says
-        would take longer to load than to compute is not loaded. (None, match): compute it all."""
+        would take longer to load than to compute is not loaded, nor one no longer than the
+        `held` tokens the engine has in its own memory. (None, match): nothing loaded."""
         namespace, ttl = self.namespace(tenant), self.ttl(tenant, retention_class)
         below = len(prompt) + 1
         match = PrefixMatch()
@@ -60,7 +62,7 @@ class PrefixConnector:
             try:
                 with job_span("cache.lookup", job_id, kind=SpanKind.CLIENT):
                     match = self.store.lookup(namespace, prompt, below=below)
-                if match.key is None:
+                if match.key is None or match.num_tokens <= held:
                     return None, match
                 if too_slow(match):
                     metrics.CACHE_MISSES.labels("too_slow").inc()  # the store counts the other reasons

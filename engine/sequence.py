@@ -28,6 +28,9 @@ class SamplingParams:
     # hand back the state at the end (RequestOutput.final_state): where a longer prompt that
     # repeats this conversation, such as its next turn, can resume
     keep_final_state: bool = False
+    # requests reuse each other's state in this engine (its resident prefixes) only within one
+    # namespace: a tenant's prompts never start from another tenant's state, nor can time it
+    prefix_namespace: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

@@ -15,7 +15,8 @@ Two kinds of state, following the attention structure (see ARCHITECTURE.md):
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,19 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """Free list plus reference counts over block ids 0..num_blocks-1."""
+    """Free list plus reference counts over block ids 0..num_blocks-1.
+
+    A released block keeps its content until it is allocated again, and the free list hands
+    out the longest-free block first: state that has just been freed is the last to go, and
+    `revive` can take it back as long as it is intact (the engine's resident prefixes,
+    engine/resident_prefixes.py, which `on_reuse` tells when one of their blocks is reused).
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.on_reuse: Callable[[int], None] = lambda block_id: None
 
     @property
     def num_free(self) -> int:
@@ -43,8 +51,9 @@ class BlockAllocator:
     def allocate(self) -> int:
         if not self._free:
             raise OutOfBlocksError("no free state block")
-        block_id = self._free.popleft()
+        block_id, _ = self._free.popitem(last=False)
         self.ref_counts[block_id] = 1
+        self.on_reuse(block_id)  # its old content is about to be overwritten
         return block_id
 
     def share(self, block_id: int) -> None:
@@ -52,12 +61,20 @@ class BlockAllocator:
             raise ValueError(f"block {block_id} is not allocated")
         self.ref_counts[block_id] += 1
 
+    def revive(self, block_id: int) -> None:
+        """Take a reference to a block whether it is in use or free with its content intact."""
+        if self.ref_counts[block_id] > 0:
+            self.share(block_id)
+            return
+        del self._free[block_id]  # KeyError: a block that was never allocated is no one's state
+        self.ref_counts[block_id] = 1
+
     def release(self, block_id: int) -> None:
         if self.ref_counts[block_id] <= 0:
             raise ValueError(f"block {block_id} released more often than allocated")
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] == 0:
-            self._free.append(block_id)
+            self._free[block_id] = None
 
 
 @dataclass

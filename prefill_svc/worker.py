@@ -42,11 +42,11 @@ from engine.prefix_connector import PrefixConnector
 
 @dataclass
 class _Fetched:
-    """What a fetch thread found for a job: the stored prefix to start from (None: compute it
-    all) and the positions inside the prompt where its state is to be stored."""
+    """What a fetch thread found for a job: the stored prefix to start from (None: none loaded)
+    and the lookup's answer (where the prompt leaves the blocks stored before it)."""
 
     snapshot: StateSnapshot | None
-    anchors: list[int]
+    match: PrefixMatch
 
 
 @dataclass
@@ -67,6 +67,7 @@ class _Job:
     span: Span  # from the job's arrival to its hand-over
     fetch: Future[_Fetched] | None = None  # until its prefix has been looked up and loaded
     cached_tokens: int = 0  # prompt tokens loaded from a stored prefix instead of computed
+    resident_tokens: int = 0  # of its prompt, held in the engine's own memory when it came (tier 0)
     hand_over: _HandOver | None = None  # once prefilled, until decode has been sent it
 
 
@@ -128,11 +129,14 @@ class PrefillWorker(EngineWorker):
                 top_p=sampling.top_p,
                 seed=sampling.seed,
                 keep_final_state=True,  # a job done at its first token still leaves its prompt's state
+                prefix_namespace=payload.tenant,
             )
             prompt_tokens = len(payload.prompt_token_ids)
             parent = context_of(record.headers)
             span = start_span("prefill", job_id, parent, SpanKind.CONSUMER, **{"deepmesh.prompt_tokens": prompt_tokens})
             job = _Job(payload, params, record, span)
+            resident = self.engine.resident.longest(payload.tenant, payload.prompt_token_ids, prompt_tokens)
+            job.resident_tokens = resident.num_tokens if resident is not None else 0
             job.fetch = self.fetcher.submit(self._fetch, job_id, job)
             self.jobs[job_id] = job
             self.watermarks.hold(record, job_id)
@@ -158,13 +162,14 @@ class PrefillWorker(EngineWorker):
 
     def _fetch(self, job_id: str, job: _Job) -> _Fetched:
         """On a fetch thread: the longest stored prefix of the job's prompt (its tenant's), loaded
-        if it is worth loading. No engine work here: the engine has one thread."""
+        if it is worth loading: longer than what the engine holds itself, and quicker to load
+        than to compute. No engine work here: the engine has one thread."""
         prompt, payload = job.payload.prompt_token_ids, job.payload
         with within(job.span, job_id):
             snapshot, match = self.cache.fetch_prefix(
-                job_id, payload.tenant, payload.retention, prompt, self._too_slow_to_load
+                job_id, payload.tenant, payload.retention, prompt, self._too_slow_to_load, job.resident_tokens
             )
-        return _Fetched(snapshot, anchor_positions(len(prompt), match, self.anchor_interval))
+        return _Fetched(snapshot, match)
 
     def _admit(self, job_id: str, job: _Job) -> None:
         """Start a job whose fetch is done: from its prefix if it has one, else from scratch."""
@@ -173,12 +178,12 @@ class PrefillWorker(EngineWorker):
             fetched = job.fetch.result()
         except Exception:  # a cache that fails is a miss, never a failed job
             log.exception("prefix lookup for %s failed", job_id)
-            fetched = _Fetched(None, [])
+            fetched = _Fetched(None, PrefixMatch())
         job.fetch = None
         prompt = job.payload.prompt_token_ids
         try:
             with within(job.span, job_id):
-                job.cached_tokens = self._start(job_id, prompt, job.params, fetched)
+                job.cached_tokens, source = self._start(job_id, prompt, job.params, fetched)
         except EngineError as err:
             with within(job.span, job_id, end=True):
                 self._fail(job_id, str(err), job.span)
@@ -187,23 +192,29 @@ class PrefillWorker(EngineWorker):
             self.watermarks.release(job_id)
             return
         job.span.set_attribute("deepmesh.cached_tokens", job.cached_tokens)
+        job.span.set_attribute("deepmesh.prefix_source", source)
         metrics.PROMPT_TOKENS.labels(self.group).inc(len(prompt))
-        metrics.PREFIX_TOKENS.labels("hit").inc(job.cached_tokens)
+        metrics.PREFIX_TOKENS.labels(source).inc(job.cached_tokens)
         metrics.PREFIX_TOKENS.labels("miss").inc(len(prompt) - job.cached_tokens)
 
-    def _start(self, job_id: str, prompt: list[int], params: SamplingParams, fetched: _Fetched) -> int:
-        """Add a job to the engine; returns how many prompt tokens its prefix saved (0: a full prefill)."""
+    def _start(self, job_id: str, prompt: list[int], params: SamplingParams, fetched: _Fetched) -> tuple[int, str]:
+        """Add a job to the engine, from the longest prefix of its prompt at hand: loaded from the
+        cache service, or held in the engine's own memory. Returns how many prompt tokens that
+        saved (0: a full prefill) and where they came from (hit, resident, or miss)."""
+        anchors = anchor_positions(len(prompt), fetched.match.shared_tokens, self.anchor_interval)
         if fetched.snapshot is not None:
             try:
-                if self.engine.import_prefix(job_id, fetched.snapshot, prompt, params, fetched.anchors):
-                    return fetched.snapshot.num_computed
+                if self.engine.import_prefix(job_id, fetched.snapshot, prompt, params, anchors):
+                    return fetched.snapshot.num_computed, "hit"
             except SnapshotError as err:  # unusable: a miss, computed from scratch
                 log.warning("stored prefix unusable: %s", err)
                 metrics.CACHE_MISSES.labels("corrupt").inc()
             if job_id in self.engine.seqs:  # queued for a full prefill: no room to load it now
-                return 0
-        self.engine.add_request(job_id, prompt, params, fetched.anchors)
-        return 0
+                return 0, "miss"
+        if cached := self.engine.import_resident(job_id, prompt, params, anchors):
+            return cached, "resident"
+        self.engine.add_request(job_id, prompt, params, anchors)
+        return 0, "miss"
 
     def _too_slow_to_load(self, match: PrefixMatch) -> bool:
         """Load or recompute: skip a prefix whose load would take longer than computing its tokens
@@ -334,10 +345,10 @@ class PrefillWorker(EngineWorker):
         self.hop(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=result.model_dump()), span)
 
 
-def anchor_positions(prompt_len: int, match: PrefixMatch, interval: int) -> list[int]:
-    """Where inside a prompt to store its state, beyond the prefix it starts from: every
-    `interval` tokens, and the end of the blocks it shares with prompts stored before it."""
-    start = match.num_tokens
+def anchor_positions(prompt_len: int, shared_tokens: int, interval: int) -> list[int]:
+    """Where inside a prompt to store its state: every `interval` tokens, and the end of the
+    blocks it shares with prompts stored before it (the engine skips those inside the prefix
+    it starts from)."""
     positions = set(range(interval, prompt_len, interval)) if interval > 0 else set()
-    positions.add(match.shared_tokens)
-    return sorted(p for p in positions if start < p < prompt_len)
+    positions.add(shared_tokens)
+    return sorted(p for p in positions if 0 < p < prompt_len)

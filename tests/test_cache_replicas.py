@@ -121,7 +121,8 @@ def test_a_corrupted_entry_is_detected_and_the_prompt_recomputed(tmp_path, tiny_
     data[-1] ^= 0xFF  # one flipped bit of state
     blob.write_bytes(bytes(data))
     corrupt_before = REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "corrupt"}) or 0
-    handoff = prefill_once(engine, store, follow_up)
+    # another replica (this one still holds the state in its own memory)
+    handoff = prefill_once(LLMEngine(engine.model, weights=engine.weights), store, follow_up)
     assert handoff.cached_tokens == 0 and handoff.first_token == cold  # computed again, never from bad state
     assert REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "corrupt"}) == corrupt_before + 1
     assert not blob.exists()
@@ -135,11 +136,13 @@ def test_a_prefix_slower_to_load_than_to_compute_is_computed(tmp_path, tiny_chec
     first, more = random_prompts([300, 40], seed=5)
     prefill_once(engine, store, first)
     too_slow = REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "too_slow"}) or 0
-    # a worker that computes a trillion tokens a second: no load can beat that
-    assert prefill_once(engine, store, [*first, *more], tokens_per_second=1e12).cached_tokens == 0
+    # another replica, which computes a trillion tokens a second: no load can beat that
+    other = LLMEngine(engine.model, weights=engine.weights)
+    assert prefill_once(other, store, [*first, *more], tokens_per_second=1e12).cached_tokens == 0
     assert REGISTRY.get_sample_value("deepmesh_cache_misses_total", {"reason": "too_slow"}) == too_slow + 1
-    # one token a second: loading wins
-    assert prefill_once(engine, store, [*first, *more, 1], tokens_per_second=1.0).cached_tokens > 0
+    # one token a second: loading wins (in a replica that holds nothing itself)
+    slow = LLMEngine(engine.model, weights=engine.weights, resident_prefix_bytes=0)
+    assert prefill_once(slow, store, [*first, *more, 1], tokens_per_second=1.0).cached_tokens > 0
 
 
 def test_a_failing_cache_loses_no_job(tmp_path, tiny_checkpoint):
@@ -162,7 +165,35 @@ def test_a_prefill_worker_stopped_and_run_again_still_loads_prefixes(tmp_path, t
     store = scratch_store(tmp_path)
     bus, prefix = MemoryBus(), f"again{uuid.uuid4().hex[:6]}."
     bus.create_topics(all_topic_names(prefix), 1)
-    worker = PrefillWorker(bus, prefix, LLMEngine.from_pretrained(tiny_checkpoint), store)
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, resident_prefix_bytes=0)  # every prefix from the cache
+    worker = PrefillWorker(bus, prefix, engine, store)
     first, more = random_prompts([300, 40], seed=7)
     assert prefill_once(worker.engine, store, first, worker=worker).cached_tokens == 0
     assert prefill_once(worker.engine, store, [*first, *more], worker=worker).cached_tokens == len(first)
+
+
+def test_a_prefix_the_replica_still_holds_is_taken_from_its_own_memory(tmp_path, tiny_checkpoint):
+    """Tier 0: the replica that prefilled turn 1 serves turn 2's prefix from its own blocks,
+    with no load from the cache service; another replica loads it; both give the cold token."""
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, labels: dict[str, str]) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    store = scratch_store(tmp_path)
+    engine = LLMEngine.from_pretrained(tiny_checkpoint)
+    first, more = random_prompts([300, 40], seed=8)
+    follow_up = [*first, *more]
+    cold = engine.generate([follow_up], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    prefill_once(engine, store, first)
+    loaded, resident = (
+        sample("deepmesh_state_bytes_total", {"direction": "get"}),
+        sample("deepmesh_prefix_cache_tokens_total", {"outcome": "resident"}),
+    )
+    handoff = prefill_once(engine, store, follow_up)
+    assert handoff.cached_tokens == len(first) and handoff.first_token == cold
+    assert sample("deepmesh_state_bytes_total", {"direction": "get"}) == loaded  # nothing loaded
+    assert sample("deepmesh_prefix_cache_tokens_total", {"outcome": "resident"}) == resident + len(first)
+    other = prefill_once(LLMEngine(engine.model, weights=engine.weights), store, [*first, 7])
+    assert other.cached_tokens == len(first)
+    assert sample("deepmesh_state_bytes_total", {"direction": "get"}) > loaded  # that one loaded it
