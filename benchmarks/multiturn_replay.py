@@ -36,6 +36,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from prometheus_client import REGISTRY
+
 from cache_svc.store import StateStore
 from common.bus import MemoryBus
 from common.messages import Envelope, PrefillPayload, Sampling, TokensPayload, decode
@@ -284,6 +286,9 @@ def main() -> None:
         def drive() -> None:
             try:
                 results["rows"] = replay_trace(replay, trace, args.concurrency)
+                results["resident"] = int(
+                    REGISTRY.get_sample_value("deepmesh_prefix_cache_tokens_total", {"outcome": "resident"}) or 0
+                )
                 results["ttft"] = ttft_cold_vs_hit(replay, cached=4000, total=4096, rounds=3)
             finally:
                 replay.mesh.stopping.set()
@@ -296,11 +301,13 @@ def main() -> None:
         storage = stored_bytes(replay.mesh.store)
     rows = results["rows"]
     cold, hit = results["ttft"]
+    resident = results["resident"]  # of the replay's hits: prefill took them from its own memory
     prompt = sum(r["prompt"] for r in rows)
     cached, ideal = sum(r["cached"] for r in rows), sum(r["ideal"] for r in rows)
     print(f"{len(rows)} requests, {prompt:,} prompt tokens")
     print(f"served from cache: {cached:,} ({cached / prompt:.1%}); ideal: {ideal:,} ({ideal / prompt:.1%})")
     print(f"hit rate against the ideal: {cached / ideal:.1%}  (target: >= 95%)")
+    print(f"of the tokens served, from prefill's own memory (tier 0, no load): {resident:,} ({resident / cached:.1%})")
     print(f"TTFT, 4,096-token prompt: cold {cold * 1e3:.0f} ms, 4,000 tokens cached {hit * 1e3:.0f} ms")
     print(f"hit / cold: {hit / cold:.1%}  (target: <= 20%)")
     print(
@@ -310,6 +317,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out.with_suffix(".png"))
     summary = {"requests": len(rows), "prompt_tokens": prompt, "cached_tokens": cached, "ideal_tokens": ideal}
+    summary["resident_tokens"] = resident
     summary |= {"ttft_cold_s": cold, "ttft_hit_s": hit, "storage": storage, "rows": rows}
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {args.out.with_suffix('.png')}")
