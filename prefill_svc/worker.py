@@ -166,8 +166,9 @@ class PrefillWorker(EngineWorker):
         than to compute. No engine work here: the engine has one thread."""
         prompt, payload = job.payload.prompt_token_ids, job.payload
         with within(job.span, job_id):
+            held = job.resident_tokens
             snapshot, match = self.cache.fetch_prefix(
-                job_id, payload.tenant, payload.retention, prompt, self._too_slow_to_load, job.resident_tokens
+                job_id, payload.tenant, payload.retention, prompt, lambda m: self._too_slow_to_load(m, held), held
             )
         return _Fetched(snapshot, match)
 
@@ -216,12 +217,13 @@ class PrefillWorker(EngineWorker):
         self.engine.add_request(job_id, prompt, params, anchors)
         return 0, "miss"
 
-    def _too_slow_to_load(self, match: PrefixMatch) -> bool:
-        """Load or recompute: skip a prefix whose load would take longer than computing its tokens
-        at the speed this worker measured (unmeasured yet: load)."""
+    def _too_slow_to_load(self, match: PrefixMatch, held: int = 0) -> bool:
+        """Load or recompute: skip a prefix whose load would take longer than computing the tokens
+        it adds to the `held` ones the engine has in its own memory, at the speed this worker
+        measured (unmeasured yet: load)."""
         if self.tokens_per_second <= 0:
             return False
-        return match.load_seconds > match.num_tokens / self.tokens_per_second
+        return match.load_seconds > (match.num_tokens - held) / self.tokens_per_second
 
     def idle(self) -> None:
         if not self.jobs:

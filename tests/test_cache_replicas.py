@@ -197,3 +197,33 @@ def test_a_prefix_the_replica_still_holds_is_taken_from_its_own_memory(tmp_path,
     other = prefill_once(LLMEngine(engine.model, weights=engine.weights), store, [*first, 7])
     assert other.cached_tokens == len(first)
     assert sample("deepmesh_state_bytes_total", {"direction": "get"}) > loaded  # that one loaded it
+
+
+def test_a_longer_stored_prefix_is_loaded_only_if_that_beats_computing_what_it_adds(tmp_path, tiny_checkpoint):
+    """A replica that holds turn 1's prompt (300 tokens) in its own memory, at a speed where
+    computing the whole stored prefix is slower than loading it but computing what it adds to
+    the 300 is quicker: the replica computes those and loads nothing. One that holds nothing
+    loads it."""
+    from cache_svc.prefix import namespace_of
+
+    store = scratch_store(tmp_path)
+    first, more, rest = random_prompts([300, 40, 10], seed=9)
+    prompt = [*first, *more, *rest]
+    other = LLMEngine.from_pretrained(tiny_checkpoint)
+    cold = other.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    prefill_once(other, store, [*first, *more])  # a 340-token anchor, in the cache service
+
+    def speed_for(stored: int) -> float:
+        """A speed at which computing the `stored` tokens takes twice their load, and computing the
+        ones they add to the 300 held (40 or 50) under a third of it. Load times are estimates from the
+        tiers' measured read speeds, so asked again each time."""
+        match = store.lookup(namespace_of(other.layout), prompt, len(prompt) + 1)
+        assert match.num_tokens == stored
+        return stored / (2 * match.load_seconds)
+
+    bare = LLMEngine(other.model, weights=other.weights, resident_prefix_bytes=0)
+    assert prefill_once(bare, store, prompt, tokens_per_second=speed_for(340)).cached_tokens == 340
+    engine = LLMEngine(other.model, weights=other.weights)
+    prefill_once(engine, store, first)  # turn 1, held in this replica's memory
+    handoff = prefill_once(engine, store, prompt, tokens_per_second=speed_for(350))  # 350 stored by `bare`
+    assert handoff.cached_tokens == 300 and handoff.first_token == cold
