@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from common import metrics
@@ -221,6 +221,35 @@ class EngineWorker(Worker):
 
     engine: Any
     jobs: dict[str, Any]
+    cache: Any  # engine.prefix_connector.PrefixConnector
+
+    def __init__(self, bus: Bus, topic_prefix: str, fetch_threads: int = 2):
+        super().__init__(bus, topic_prefix)
+        self.fetch_threads = fetch_threads
+        self.fetcher = self._fetch_pool()
+
+    def _fetch_pool(self) -> ThreadPoolExecutor:
+        """The threads every cache call runs on: never the engine's."""
+        return ThreadPoolExecutor(self.fetch_threads, thread_name_prefix=f"{self.group}-fetch")
+
+    def save_later(
+        self, job_id: str, span: Span, tenant: str, retention: str, state: Any, lease_seconds: float = 0.0
+    ) -> Future:
+        """Store a state where a longer prompt that starts with its tokens can resume, on a fetch
+        thread (the engine goes on meanwhile); the future gives the stored entry, or None."""
+
+        def save() -> Any:
+            with within(span, job_id):
+                return self.cache.save(job_id, tenant, retention, state, lease_seconds)
+
+        return self.fetcher.submit(save)
+
+    def close(self) -> None:
+        """Stop consuming. Loads and stores under way finish on their threads (a fetched job is
+        admitted if this worker runs again); new ones go to a fresh pool."""
+        super().close()
+        self.fetcher.shutdown(wait=False)
+        self.fetcher = self._fetch_pool()
 
     def admit_fetched(self) -> None:
         """Admit (`_admit`) every job whose fetch is done; with nothing else for the engine to

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cache_svc.retention import Retention
@@ -50,14 +50,12 @@ class DecodeWorker(EngineWorker):
         retention: Retention | None = None,
         fetch_threads: int = 2,
     ):
-        super().__init__(bus, topic_prefix)
+        super().__init__(bus, topic_prefix, fetch_threads)
         self.engine = engine
         self.cache = PrefixConnector(store, engine.layout, retention)
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()
         self.loaded = self.recomputed = 0
-        self.fetch_threads = fetch_threads
-        self.fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="decode-fetch")
 
     @property
     def busy(self) -> bool:
@@ -210,21 +208,10 @@ class DecodeWorker(EngineWorker):
             job.span.set_attribute("deepmesh.tokens", job.sent)
         self.watermarks.release(job_id)
         if final_state is not None:
-            payload = job.payload
-            self.fetcher.submit(self._save, job_id, job.span, payload.tenant, payload.retention, final_state)
-
-    def _save(self, job_id: str, span: Span, tenant: str, retention: str, state: StateSnapshot) -> None:
-        with within(span, job_id):
-            self.cache.save(job_id, tenant, retention, state)
+            self.save_later(job_id, job.span, job.payload.tenant, job.payload.retention, final_state)
 
     def _tokens_message(self, job: _Job, job_id: str, tokens: TokensPayload) -> Envelope:
         """The job's next tokens message: its seq is the index of its first token (common/job_streams.py)."""
         message = Envelope(type="tokens", job_id=job_id, seq=job.sent, payload=tokens.model_dump())
         job.sent += len(tokens.token_ids)
         return message
-
-    def close(self) -> None:
-        """Stop consuming; loads and stores under way finish on their threads."""
-        super().close()
-        self.fetcher.shutdown(wait=False)
-        self.fetcher = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="decode-fetch")

@@ -154,18 +154,16 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         sampling_params: SamplingParams,
         snapshot_at: SequenceOf[int] = (),
-        at_least: int = 1,
     ) -> int:
-        """Start a request from the longest prefix of its prompt (of at least `at_least` tokens)
-        whose state this engine still holds in its own memory, in the request's namespace (its
-        params' prefix_namespace): its full blocks are shared, its partial block copied, nothing
-        loaded. Returns the prompt tokens served from it; 0 (and
-        nothing added) when none is held or there is no room for it now.
+        """Start a request from the longest prefix of its prompt whose state this engine still
+        holds in its own memory, in the request's namespace (its params' prefix_namespace): its
+        full blocks are shared, its partial block copied, nothing loaded. Returns the prompt
+        tokens served from it; 0 (and nothing added) when none is held or there is no room now.
 
         The outcome is add_request's, as with import_prefix: the state is that of these tokens."""
         prompt = self._validate_tokens(prompt_token_ids)
         entry = self.resident.longest(sampling_params.prefix_namespace, prompt, len(prompt))
-        if entry is None or entry.num_tokens < at_least or entry.last_hidden is None:
+        if entry is None or entry.last_hidden is None:
             return 0
         allocator, cached = self.cache.block_allocator, entry.num_tokens
         full = cached // BLOCK_SIZE if self.cache.uses_blocks else 0
@@ -173,9 +171,7 @@ class LLMEngine:
         taken_from_free = sum(allocator.ref_counts[b] == 0 for b in entry.block_ids)
         if self.cache.num_free_slots == 0 or allocator.num_free - taken_from_free < len(partial):
             return 0
-        self.add_request(request_id, prompt, sampling_params, [p for p in snapshot_at if p > cached])
-        seq = self.seqs[request_id]
-        self.scheduler.waiting.remove(seq)
+        seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, cached)
         for block_id in entry.block_ids:  # first, so that allocating the copy cannot reuse them
             allocator.revive(block_id)
         table = entry.block_ids[:full]
@@ -229,10 +225,23 @@ class LLMEngine:
             raise SnapshotError(f"a {cached}-token prefix leaves nothing to compute of a {len(prompt)}-token prompt")
         if list(snapshot.token_ids[:cached]) != prompt[:cached]:
             raise SnapshotError("the snapshot's tokens are not a prefix of the prompt")
+        seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, cached)
+        return self._load(seq, snapshot)
+
+    def _add_started(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling_params: SamplingParams,
+        snapshot_at: SequenceOf[int],
+        cached: int,
+    ) -> Sequence:
+        """A validated, registered request whose first `cached` tokens' state the caller gives it:
+        not queued, and its snapshots only past them."""
         self.add_request(request_id, prompt, sampling_params, [p for p in snapshot_at if p > cached])
         seq = self.seqs[request_id]
         self.scheduler.waiting.remove(seq)
-        return self._load(seq, snapshot)
+        return seq
 
     def _check_snapshot(self, snapshot: StateSnapshot) -> None:
         if snapshot.layout != self.layout:

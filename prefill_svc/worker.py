@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from cache_svc.retention import Retention
@@ -89,7 +89,7 @@ class PrefillWorker(EngineWorker):
         anchor_interval: int = 1024,
         fetch_threads: int = 2,
     ):
-        super().__init__(bus, topic_prefix)
+        super().__init__(bus, topic_prefix, fetch_threads)
         self.engine = engine
         self.cache = PrefixConnector(store, engine.layout, retention)
         self.lease_seconds = lease_seconds
@@ -97,8 +97,6 @@ class PrefillWorker(EngineWorker):
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()
         self.tokens_per_second = 0.0  # measured prefill speed, against which a load is weighed
-        self.fetch_threads = fetch_threads
-        self.fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="prefill-fetch")
 
     @property
     def busy(self) -> bool:
@@ -325,22 +323,10 @@ class PrefillWorker(EngineWorker):
     def _store_prefix(
         self, job_id: str, job: _Job, snapshot: StateSnapshot, lease: bool = False
     ) -> Future[Stored | None]:
-        """Store a state of the prompt where a longer prompt that starts with it can resume (on a
-        fetch thread: the engine goes on meanwhile)."""
+        """Store a state of the prompt where a longer prompt that starts with it can resume; with
+        `lease`, pinned for this job's decode (its hand-over)."""
         payload, lease_seconds = job.payload, self.lease_seconds if lease else 0
-
-        def store() -> Stored | None:
-            with within(job.span, job_id):
-                return self.cache.save(job_id, payload.tenant, payload.retention, snapshot, lease_seconds)
-
-        return self.fetcher.submit(store)
-
-    def close(self) -> None:
-        """Stop consuming. Fetches under way finish on their threads (their jobs are admitted if
-        this worker runs again); new ones go to a fresh pool."""
-        super().close()
-        self.fetcher.shutdown(wait=False)
-        self.fetcher = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="prefill-fetch")
+        return self.save_later(job_id, job.span, payload.tenant, payload.retention, snapshot, lease_seconds)
 
     def _fail(self, job_id: str, reason: str, span: Span) -> None:
         result = ResultPayload(done=True, status=400, body=error_body(self.jobs[job_id].payload.endpoint, reason))
