@@ -10,7 +10,9 @@ on both (tests/test_bus.py):
   delivered again to whichever consumer of the group owns the partition next;
 * `produce` returns once the record is stored (acks=all on Kafka), headers included;
 * a value above the claim store's threshold travels as a claim check (common/claims.py):
-  records stay within Kafka's default limits, and consumers get the whole value back.
+  records stay within Kafka's default limits, and consumers get the whole value back;
+* a record may name its partition instead (a router sending a job to one replica: the
+  replica that owns that partition), and `produce_batch` says where each record was stored.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.claims import ClaimStore
 
 Headers = dict[str, bytes]
+# (key, value, headers) or (key, value, headers, partition): None or no partition: by the key
+Outgoing = tuple[str, bytes, "Headers | None"] | tuple[str, bytes, "Headers | None", "int | None"]
 log = logging.getLogger(__name__)
 
 
@@ -68,12 +72,21 @@ class Bus(Protocol):
     # this bounds how late one of them sees a record that arrives while another waits.
     idle_poll_timeout: float
 
-    def create_topics(self, names: Iterable[str], partitions: int) -> None: ...
+    def create_topics(self, names: Iterable[str], partitions: int, short_lived: bool = False) -> None:
+        """Create the topics that do not exist yet; `short_lived`: one whose records are status
+        that is stale within seconds (compacted to the last per key, deleted after a minute)."""
 
-    def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None: ...
+    def produce(
+        self, topic: str, key: str, value: bytes, headers: Headers | None = None, partition: int | None = None
+    ) -> tuple[int, int]:
+        """Store one record (in `partition`, or by its key); returns (partition, offset)."""
 
-    def produce_batch(self, topic: str, records: list[tuple[str, bytes, Headers | None]]) -> None:
-        """Several (key, value, headers) at once, in order per key; returns once all are stored."""
+    def produce_batch(self, topic: str, records: list[Outgoing]) -> list[tuple[int, int]]:
+        """Several records at once, in order per partition; returns once all are stored, with
+        where each one was: (partition, offset)."""
+
+    def partitions(self, topic: str) -> int:
+        """How many partitions the topic has."""
 
     def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> Consumer:
         """A group member; a group with no committed offsets starts at the oldest record, or with
@@ -86,10 +99,18 @@ def partition_for(key: str, partitions: int) -> int:
     return zlib.crc32(key.encode()) % partitions
 
 
-def _checked_in(claims: ClaimStore | None, records: list[tuple[str, bytes, Headers | None]]):
-    if claims is None:
-        return records
-    return [(key, claims.check_in(key, value), headers) for key, value, headers in records]
+def produce_everywhere(bus: Bus, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None:
+    """One record in every partition of the topic: a cancel reaches the job wherever a router sent it."""
+    bus.produce_batch(topic, [(key, value, headers, p) for p in range(bus.partitions(topic))])
+
+
+def _checked_in(claims: ClaimStore | None, records: list[Outgoing]) -> list[tuple[str, bytes, Headers | None, Any]]:
+    """Every record as (key, value, headers, partition), its value a claim check if it is large."""
+    out = []
+    for key, value, headers, *partition in records:
+        value = claims.check_in(key, value) if claims is not None else value
+        out.append((key, value, headers, partition[0] if partition else None))
+    return out
 
 
 def _checked_out(claims: ClaimStore | None, records: list[Record]) -> list[Record]:
@@ -118,28 +139,37 @@ class MemoryBus:
         self._committed: dict[tuple[str, str, int], int] = {}  # (group, topic, partition) -> next offset
         self._members: dict[str, list[MemoryConsumer]] = {}
 
-    def create_topics(self, names: Iterable[str], partitions: int) -> None:
-        with self._lock:
+    def create_topics(self, names: Iterable[str], partitions: int, short_lived: bool = False) -> None:
+        with self._lock:  # short-lived topics keep everything here: a process's lifetime of status is small
             for name in names:
                 self._logs.setdefault(name, [[] for _ in range(partitions)])
 
-    def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None:
-        self.produce_batch(topic, [(key, value, headers)])
+    def partitions(self, topic: str) -> int:
+        with self._lock:
+            return len(self._logs[topic])
 
-    def produce_batch(self, topic: str, records: list[tuple[str, bytes, Headers | None]]) -> None:
-        records = _checked_in(self.claims, records)
+    def produce(
+        self, topic: str, key: str, value: bytes, headers: Headers | None = None, partition: int | None = None
+    ) -> tuple[int, int]:
+        return self.produce_batch(topic, [(key, value, headers, partition)])[0]
+
+    def produce_batch(self, topic: str, records: list[Outgoing]) -> list[tuple[int, int]]:
+        checked = _checked_in(self.claims, records)
+        stored = []
         with self._lock:
             if topic not in self._logs:
                 raise KeyError(f"unknown topic {topic!r} (create it first)")
             log = self._logs[topic]
-            for key, value, headers in records:
-                part = partition_for(key, len(log))
+            for key, value, headers, partition in checked:
+                part = partition_for(key, len(log)) if partition is None else partition
                 log[part].append(Record(topic, part, len(log[part]), key, value, dict(headers or {})))
+                stored.append((part, len(log[part]) - 1))
             # one wake-up per batch: a consumer then takes the whole step's records in one poll
             for members in self._members.values():
                 for member in members:
                     if topic in member.topics:
                         member.wakeup.notify()
+        return stored
 
     def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> MemoryConsumer:
         with self._lock:
@@ -265,32 +295,46 @@ class KafkaBus:
             request_timeout_ms=30_000,
         )
 
-    def create_topics(self, names: Iterable[str], partitions: int) -> None:
+    def create_topics(self, names: Iterable[str], partitions: int, short_lived: bool = False) -> None:
         from kafka.admin import KafkaAdminClient, NewTopic
         from kafka.errors import TopicAlreadyExistsError
 
+        configs = {"cleanup.policy": "compact,delete", "retention.ms": "60000", "segment.ms": "10000"}
         admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-admin")
         try:
             existing = set(admin.list_topics())
-            wanted = [NewTopic(n, num_partitions=partitions, replication_factor=1) for n in names if n not in existing]
+            settings = configs if short_lived else {}
+            wanted = [NewTopic(n, partitions, 1, topic_configs=settings) for n in names if n not in existing]
             if wanted:
                 with contextlib.suppress(TopicAlreadyExistsError):  # created concurrently by another replica
                     admin.create_topics(wanted)
         finally:
             admin.close()
 
-    def produce(self, topic: str, key: str, value: bytes, headers: Headers | None = None) -> None:
-        self.produce_batch(topic, [(key, value, headers)])
+    def produce(
+        self, topic: str, key: str, value: bytes, headers: Headers | None = None, partition: int | None = None
+    ) -> tuple[int, int]:
+        return self.produce_batch(topic, [(key, value, headers, partition)])[0]
 
-    def produce_batch(self, topic: str, records: list[tuple[str, bytes, Headers | None]]) -> None:
-        records = _checked_in(self.claims, records)
+    def produce_batch(self, topic: str, records: list[Outgoing]) -> list[tuple[int, int]]:
         # all sent before any is awaited: one round trip to the broker for the batch, not one each
         futures = [
-            self._producer.send(topic, key=key.encode(), value=value, headers=list((headers or {}).items()))
-            for key, value, headers in records
+            self._producer.send(
+                topic, key=key.encode(), value=value, headers=list((headers or {}).items()), partition=partition
+            )
+            for key, value, headers, partition in _checked_in(self.claims, records)
         ]
+        stored = []
         for future in futures:
-            future.get(timeout=30)
+            metadata = future.get(timeout=30)
+            stored.append((metadata.partition, metadata.offset))
+        return stored
+
+    def partitions(self, topic: str) -> int:
+        found = self._producer.partitions_for(topic)  # waits for the topic's metadata
+        if not found:
+            raise KeyError(f"unknown topic {topic!r} (create it first)")
+        return len(found)
 
     def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> KafkaConsumerAdapter:
         return KafkaConsumerAdapter(self.bootstrap, list(topics), group, self.client_id, from_beginning, self.claims)

@@ -143,6 +143,18 @@ class DecodePayload(BaseModel):
     cached_tokens: int = 0
     tenant: TenantId = "default"
     retention: RetentionClass = "chat"
+    prefilled_by: str | None = None  # the prefill replica: it may hold the finished conversation for its next turn
+
+
+class WarmPayload(BaseModel):
+    """`prefill`, type `warm`, to one replica: a finished conversation whose state decode has
+    stored, for the prefill replica that prefilled it to take into its own memory (tier 0), so
+    that the next turn, routed back there, starts from it with no load. One that is lost costs
+    a load later, nothing else."""
+
+    token_ids: list[int] = Field(min_length=1)
+    tenant: TenantId = "default"
+    retention: RetentionClass = "chat"
 
 
 class JobStart(BaseModel):

@@ -65,3 +65,22 @@ CACHE_EVICTIONS = Counter("deepmesh_cache_evictions", "Blobs dropped from the la
 CACHE_DEMOTIONS = Counter("deepmesh_cache_demotions", "Blobs moved down a tier for room", ["tier"])
 CACHE_PROMOTIONS = Counter("deepmesh_cache_promotions", "Blobs copied up to memory on a hit", ["tier"])
 CACHE_EXPIRED = Counter("deepmesh_cache_expired", "Blobs removed from every tier at their expiry")
+
+# routing (common/routing.py): the routers' decisions, and the load each replica reports
+ROUTE_DECISIONS = Counter(
+    "deepmesh_route_decisions",
+    "Jobs routed, by stage and why that replica (prefix, load, only_choice, rerouted, no_replica)",
+    ["stage", "reason"],
+)
+ROUTE_DECISION_SECONDS = Histogram(
+    "deepmesh_route_decision_seconds",
+    "Time a router takes to choose a replica",
+    ["stage"],
+    buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01),
+)
+ROUTED_JOBS = Counter("deepmesh_routed_jobs", "Jobs a router sent to a replica", ["stage", "replica"])
+REPORTED_LOAD = Gauge(
+    "deepmesh_replica_load",
+    "What this replica last reported (queued_jobs, running_jobs, queued_tokens, free_blocks, free_slots)",
+    ["service", "measure"],
+)

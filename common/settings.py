@@ -47,3 +47,6 @@ class Settings(BaseSettings):
     # tier 0: prefix states an engine keeps in its own blocks (engine/resident_prefixes.py); the
     # bytes of their slot copies (window rings, open windows); 0: none kept
     resident_prefix_bytes: int = 256 << 20
+    # admission control: a call no prefill replica could start within this many seconds is
+    # answered 429 with Retry-After (async jobs wait in the queue instead); 0: never refused
+    admission_wait_seconds: float = 30.0

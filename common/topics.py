@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.bus import Bus
 
 
 class Topic(StrEnum):
@@ -12,6 +16,7 @@ class Topic(StrEnum):
     TOKENS = "tokens"
     RESULTS = "results"  # a public interface
     DEAD_LETTER = "dead-letter"
+    REPLICAS = "replicas"  # load reports of prefill and decode replicas (common/replicas.py), keyed by replica
 
 
 def topic_name(topic: Topic, prefix: str) -> str:
@@ -20,3 +25,9 @@ def topic_name(topic: Topic, prefix: str) -> str:
 
 def all_topic_names(prefix: str) -> list[str]:
     return [topic_name(t, prefix) for t in Topic]
+
+
+def create_all(bus: Bus, prefix: str, partitions: int) -> None:
+    """Every topic the mesh uses: the jobs' with `partitions` each, the reports' short-lived."""
+    bus.create_topics([topic_name(t, prefix) for t in Topic if t is not Topic.REPLICAS], partitions)
+    bus.create_topics([topic_name(Topic.REPLICAS, prefix)], 1, short_lived=True)

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from common import metrics
-from common.bus import Bus, Headers, Record
+from common.bus import Bus, Headers, Record, produce_everywhere
 from common.messages import BadMessage, DeadLetter, Envelope, decode
+from common.replicas import REPORT_SECONDS, LoadReport, ReplicaTable, Reporter, replica_name
+from common.routing import Route, Router
 from common.topics import Topic, topic_name
 from common.tracing import Context, Span, SpanKind, headers_of, job_span, sender_span, within
 
@@ -50,6 +53,10 @@ class Watermarks:
         for held in self._open.values():
             for offset in [o for o, j in held.items() if j == job_id]:
                 del held[offset]
+
+    def taken(self, topic: str) -> dict[int, int]:
+        """Per partition of the topic, the offset after the last record taken in."""
+        return {part: nxt for (t, part), nxt in self._next.items() if t == topic}
 
     def jobs(self, partitions: set[tuple[str, int]] | None = None) -> set[str]:
         """The jobs with records held, in these partitions (None: in any)."""
@@ -122,15 +129,15 @@ class Worker:
         job is not here."""
         return False
 
-    def job_message(self, record: Record, job_type: str) -> Envelope | None:
-        """The record's envelope if it is a `job_type` message; a `cancel` goes to `cancel` and
-        gives None; anything else is a BadMessage."""
+    def job_message(self, record: Record, job_type: str, also: tuple[str, ...] = ()) -> Envelope | None:
+        """The record's envelope if it is a `job_type` message (or of a type in `also`); a
+        `cancel` goes to `cancel` and gives None; anything else is a BadMessage."""
         envelope = decode(record.value)
         if envelope.type == "cancel":
             self.cancel(envelope.job_id)
             self.watermarks.seen(record)
             return None
-        if envelope.type != job_type:
+        if envelope.type != job_type and envelope.type not in also:
             raise BadMessage(f"envelope type {envelope.type!r} does not belong on the {job_type} topic")
         return envelope
 
@@ -190,9 +197,14 @@ class Worker:
             self._committed = {}
             self._owned = set()
 
-    def send(self, topic: Topic, envelope: Envelope, headers: Headers | None = None) -> None:
-        """Produce a job's message downstream (keyed by its job id, so a job's messages stay in order)."""
-        self.send_batch(topic, [(envelope, headers)])
+    def send(
+        self, topic: Topic, envelope: Envelope, headers: Headers | None = None, partition: int | None = None
+    ) -> tuple[int, int] | None:
+        """Produce a job's message downstream (keyed by its job id, so a job's messages stay in
+        order; in `partition`, if a router chose one); returns where it was stored."""
+        stored = self.bus.produce_batch(self.topic(topic), [(envelope.job_id, envelope.encode(), headers, partition)])
+        metrics.PRODUCED.labels(self.group, topic.value).inc()
+        return stored[0] if stored else None
 
     def send_batch(self, topic: Topic, messages: list[tuple[Envelope, Headers | None]]) -> None:
         """Produce several jobs' messages at once (a step's tokens, a poll's results)."""
@@ -205,6 +217,24 @@ class Worker:
         with job_span(f"send {topic.value}", envelope.job_id, parent, SpanKind.PRODUCER) as span:
             self.send(topic, envelope, headers_of(span))
 
+    def dispatch(
+        self, topic: Topic, envelope: Envelope, parent: Context | Span | None, router: Router, route: Route
+    ) -> None:
+        """`hop` to the replica a router chose (its name travels in a header: a replica that
+        finds the job in a partition it took over from another knows it was meant elsewhere)."""
+        with job_span(f"send {topic.value}", envelope.job_id, parent, SpanKind.PRODUCER) as span:
+            span.set_attribute("deepmesh.route_reason", route.reason)
+            headers = headers_of(span)
+            if route.replica is not None:
+                span.set_attribute("deepmesh.replica", route.replica)
+                headers[ROUTED_TO] = route.replica.encode()
+            router.sent(route, self.send(topic, envelope, headers, route.partition))
+
+    def cancel_everywhere(self, topic: Topic, job_id: str, headers: Headers | None = None) -> None:
+        """A cancel to every replica of a stage: a router sent the job to one of them."""
+        cancel = Envelope(type="cancel", job_id=job_id).encode()
+        produce_everywhere(self.bus, self.topic(topic), job_id, cancel, headers)
+
     def dead_letter(self, record: Record, error: BadMessage | Exception) -> None:
         """Park a record no worker can use, with the reason, and move on."""
         log.warning("dead-lettering %s/%s@%s: %s", record.topic, record.partition, record.offset, error)
@@ -214,19 +244,94 @@ class Worker:
         self.watermarks.seen(record)
 
 
+ROUTED_TO = "deepmesh-replica"  # header of a routed job's record: the replica it was sent to
+
+
 class EngineWorker(Worker):
     """A worker whose jobs run in an engine (prefill, decode): `jobs` maps a job id to its state,
     which has the job's `span` and, until the cache has answered for it, its `fetch` (a future
-    from a fetch thread); `engine` holds a request per admitted job under the same id."""
+    from a fetch thread); `engine` holds a request per admitted job under the same id.
+
+    It is a replica of its stage: it reports its load (common/replicas.py) under its name, and,
+    given the table of reports (`replicas`), sends a job that reaches it in a partition it took
+    over from another replica to the replica with room for it now."""
 
     engine: Any
     jobs: dict[str, Any]
     cache: Any  # engine.prefix_connector.PrefixConnector
 
-    def __init__(self, bus: Bus, topic_prefix: str, fetch_threads: int = 2):
+    def __init__(self, bus: Bus, topic_prefix: str, fetch_threads: int = 2, replicas: ReplicaTable | None = None):
         super().__init__(bus, topic_prefix)
         self.fetch_threads = fetch_threads
         self.fetcher = self._fetch_pool()
+        self.replica = replica_name(self.group)
+        self.replicas = replicas
+        self.report: LoadReport | None = None
+        self._reported_at = 0.0
+        self._reporter: Reporter | None = None
+
+    def run_once(self, timeout: float = 0.1) -> None:
+        if self._reporter is None:
+            self._reporter = Reporter(self.bus, self.prefix, lambda: self.report)
+            self._reporter.start()
+        super().run_once(timeout)
+        now = time.monotonic()
+        if now - self._reported_at >= REPORT_SECONDS / 2:  # fresh for every report the reporter sends
+            self._reported_at = now
+            self.report = self.load_report()
+
+    def load_report(self) -> LoadReport:
+        """What this replica holds and has room for, read on its own thread."""
+        topic = self.topic(self.topics[0])
+        engine, scheduler = self.engine, self.engine.scheduler
+        fetching = sum(1 for job in self.jobs.values() if job.fetch is not None)
+        report = LoadReport(
+            replica=self.replica,
+            stage=self.group,
+            partitions=sorted(part for t, part in self._owned if t == topic),
+            consumed=self.watermarks.taken(topic),
+            queued_jobs=fetching + len(scheduler.waiting),
+            running_jobs=len(scheduler.running),
+            queued_tokens=self.queued_tokens(),
+            free_blocks=engine.cache.block_allocator.num_free,
+            total_blocks=engine.cache.num_blocks,
+            free_slots=engine.cache.num_free_slots,
+            max_slots=engine.cache.max_seqs,
+            resident=engine.resident.summary(),
+            **self.speeds(),
+        )
+        for measure in ("queued_jobs", "running_jobs", "queued_tokens", "free_blocks", "free_slots"):
+            metrics.REPORTED_LOAD.labels(self.group, measure).set(getattr(report, measure))
+        return report
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens still to compute over every job held (prefill's work ahead of a new job)."""
+        return 0
+
+    def speeds(self) -> dict[str, float]:
+        """What this replica measured of its speed, by LoadReport field."""
+        return {}
+
+    def route_again(self, router: Router, job_id: str, payload: Any) -> Route:
+        """Where this stage's router would send the job now."""
+        raise NotImplementedError
+
+    def rerouted(self, record: Record, envelope: Envelope, payload: Any) -> bool:
+        """Whether a job that was sent to another replica went on to the replica chosen for it
+        now: it is in a partition this replica took over when that one left. Handled here
+        (False) when this replica is the choice, or when nothing routes (no table of reports)."""
+        sent_to = record.headers.get(ROUTED_TO)
+        if self.replicas is None or sent_to is None or sent_to.decode() == self.replica:
+            return False
+        router = Router(self.replicas, self.group)
+        chosen = self.route_again(router, envelope.job_id, payload)
+        if chosen.replica in (None, self.replica):
+            return False
+        log.info("%s: %s was sent to %s, which left; on to %s", self.group, envelope.job_id, sent_to, chosen.replica)
+        topic = Topic(record.topic.removeprefix(self.prefix))
+        self.dispatch(topic, envelope, sender_span(record.headers), router, chosen)
+        self.watermarks.seen(record)
+        return True
 
     def _fetch_pool(self) -> ThreadPoolExecutor:
         """The threads every cache call runs on: never the engine's."""
@@ -245,9 +350,12 @@ class EngineWorker(Worker):
         return self.fetcher.submit(save)
 
     def close(self) -> None:
-        """Stop consuming. Loads and stores under way finish on their threads (a fetched job is
-        admitted if this worker runs again); new ones go to a fresh pool."""
+        """Stop consuming and reporting. Loads and stores under way finish on their threads (a
+        fetched job is admitted if this worker runs again); new ones go to a fresh pool."""
         super().close()
+        if self._reporter is not None:
+            self._reporter.stop()
+            self._reporter = None
         self.fetcher.shutdown(wait=False)
         self.fetcher = self._fetch_pool()
 

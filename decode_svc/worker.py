@@ -17,7 +17,9 @@ from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
-from common.messages import BadMessage, DecodePayload, Envelope, TokensPayload, payload_of
+from common.messages import BadMessage, DecodePayload, Envelope, TokensPayload, WarmPayload, payload_of
+from common.replicas import ReplicaTable
+from common.routing import Route, Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, start_span, within
 from common.worker import EarlyCancels, EngineWorker
@@ -49,13 +51,16 @@ class DecodeWorker(EngineWorker):
         store: StateStore,
         retention: Retention | None = None,
         fetch_threads: int = 2,
+        replicas: ReplicaTable | None = None,
     ):
-        super().__init__(bus, topic_prefix, fetch_threads)
+        """`replicas`: the load reports by which a job meant for a replica that left goes on."""
+        super().__init__(bus, topic_prefix, fetch_threads, replicas)
         self.engine = engine
         self.cache = PrefixConnector(store, engine.layout, retention)
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()
         self.loaded = self.recomputed = 0
+        self.step_seconds = 0.0  # measured, for the load reports
 
     @property
     def busy(self) -> bool:
@@ -81,7 +86,11 @@ class DecodeWorker(EngineWorker):
                     self.end_here(job_id)
                 self.watermarks.seen(record)
                 continue
-            span = start_span("decode", job_id, context_of(record.headers), SpanKind.CONSUMER)
+            if self.rerouted(record, envelope, payload):
+                continue
+            span = start_span(
+                "decode", job_id, context_of(record.headers), SpanKind.CONSUMER, **{"deepmesh.replica": self.replica}
+            )
             job = self.jobs[job_id] = _Job(payload, span, record, headers_of(span))
             job.fetch = self.fetcher.submit(self._fetch, job_id, job)
             self.watermarks.hold(record, job_id)
@@ -182,7 +191,9 @@ class DecodeWorker(EngineWorker):
             return
         started = time.perf_counter()
         outputs = self.engine.step()
-        metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(elapsed)
+        self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
         step: list[tuple[Envelope, dict[str, bytes]]] = []
         finished: list[tuple[str, _Job, str, StateSnapshot | None]] = []
         for out in outputs:
@@ -200,6 +211,12 @@ class DecodeWorker(EngineWorker):
             self._finish(job_id, job, reason, final_state)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
+    def route_again(self, router: Router, job_id: str, payload: DecodePayload) -> Route:
+        return router.decode(job_id, len(payload.prompt_token_ids) + payload.sampling.max_tokens, rerouted=True)
+
+    def speeds(self) -> dict[str, float]:
+        return {"step_seconds": self.step_seconds}
+
     def _finish(self, job_id: str, job: _Job, outcome: str, final_state: StateSnapshot | None = None) -> None:
         """Close the job's span, let its record be committed, and store its final state as a
         prefix anchor (on a fetch thread: nothing waits for it)."""
@@ -208,7 +225,30 @@ class DecodeWorker(EngineWorker):
             job.span.set_attribute("deepmesh.tokens", job.sent)
         self.watermarks.release(job_id)
         if final_state is not None:
-            self.save_later(job_id, job.span, job.payload.tenant, job.payload.retention, final_state)
+            payload = job.payload
+            stored = self.save_later(job_id, job.span, payload.tenant, payload.retention, final_state)
+            stored.add_done_callback(lambda done: self._warm_prefill(job_id, job, final_state, done))
+
+    def _warm_prefill(self, job_id: str, job: _Job, state: StateSnapshot, stored: Future) -> None:
+        """Once a finished conversation's state is stored, ask the prefill replica that prefilled
+        it to hold it (WarmPayload): the conversation's next turn is routed back there. On the
+        fetch thread that stored it; a replica out of rotation is not asked."""
+        if stored.cancelled() or stored.exception() is not None or stored.result() is None:
+            return
+        payload = job.payload
+        if self.replicas is None or payload.prefilled_by is None:
+            return
+        holder = next((r for r in self.replicas.live("prefill") if r.replica == payload.prefilled_by), None)
+        if holder is None:
+            return
+        warm = WarmPayload(
+            token_ids=state.token_ids[: state.num_computed], tenant=payload.tenant, retention=payload.retention
+        )
+        try:
+            message = Envelope(type="warm", job_id=job_id, payload=warm.model_dump())
+            self.send(Topic.PREFILL, message, job.headers, holder.partitions[0])  # in the job's trace
+        except Exception:  # the next turn loads it from the cache service instead
+            log.warning("asking %s to hold %s failed", holder.replica, job_id, exc_info=True)
 
     def _tokens_message(self, job: _Job, job_id: str, tokens: TokensPayload) -> Envelope:
         """The job's next tokens message: its seq is the index of its first token (common/job_streams.py)."""

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
             )
         service.set_defaults(run=_service)
 
+    replicas = commands.add_parser("replicas", help="the live table of prefill and decode replicas and their load")
+    replicas.add_argument("--watch", action="store_true", help="print it again every second until interrupted")
+    replicas.add_argument("--seconds", type=float, default=2.0, help="how long to listen for reports (default 2)")
+    replicas.set_defaults(run=_replicas)
+
     show = commands.add_parser("trace", help="print a job's trace as a span tree, from the JSON-lines trace file")
     show.add_argument("job_id")
     show.add_argument("--file", type=Path, default=None, help="trace file (default: DEEPMESH_TRACE_FILE)")
@@ -187,7 +192,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     mesh.start([mesh.tokenizer])
     app = create_app(
-        bus, "deepmesh.", [args.served_model_name], JobStore(settings.database_url), cache_stats=mesh.store.stats
+        bus,
+        "deepmesh.",
+        [args.served_model_name],
+        JobStore(settings.database_url),
+        cache_stats=mesh.store.stats,
+        replicas=mesh.replicas,
+        admission_wait_seconds=settings.admission_wait_seconds,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=settings.drain_seconds
@@ -230,7 +241,7 @@ def _service(args: argparse.Namespace) -> int:
     from common.bus import KafkaBus
     from common.claims import ClaimStore
     from common.settings import Settings
-    from common.topics import all_topic_names
+    from common.topics import create_all
 
     settings = Settings()
     model = args.model or Path(settings.model)
@@ -253,18 +264,26 @@ def _service(args: argparse.Namespace) -> int:
         return 0
     claims = ClaimStore.from_settings(settings)
     bus = KafkaBus(settings.kafka_bootstrap, client_id=f"deepmesh-{args.command}", claims=claims)
-    bus.create_topics(all_topic_names(settings.topic_prefix), settings.topic_partitions)
+    create_all(bus, settings.topic_prefix, settings.topic_partitions)
     if args.command == "gateway":
         from gateway.app import create_app
         from gateway.jobs import JobStore
 
-        app = create_app(bus, settings.topic_prefix, [settings.served_model_name], JobStore(settings.database_url))
+        app = create_app(
+            bus,
+            settings.topic_prefix,
+            [settings.served_model_name],
+            JobStore(settings.database_url),
+            replicas=_replica_table(bus, settings.topic_prefix),
+            admission_wait_seconds=settings.admission_wait_seconds,
+        )
         print(f"deepmesh gateway on http://{args.host}:{args.port}/v1", file=sys.stderr)
         uvicorn.run(
             app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=settings.drain_seconds
         )
         return 0
-    worker = _make_worker(args.command, bus, settings, model)
+    replicas = _replica_table(bus, settings.topic_prefix)
+    worker = _make_worker(args.command, bus, settings, model, replicas)
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
     if metrics_port:
         from prometheus_client import start_http_server
@@ -277,6 +296,52 @@ def _service(args: argparse.Namespace) -> int:
     worker.run(stop)
     bus.close()
     return 0
+
+
+def _replicas(args: argparse.Namespace) -> int:
+    """Listen to the replicas' load reports (DEEPMESH_KAFKA_BOOTSTRAP, DEEPMESH_TOPIC_PREFIX) and
+    print one line per replica."""
+    import threading
+
+    from common.bus import KafkaBus
+    from common.replicas import ReplicaTable, ReportListener
+    from common.settings import Settings
+
+    settings = Settings()
+    bus = KafkaBus(settings.kafka_bootstrap, client_id="deepmesh-replicas")
+    table, stop = ReplicaTable(), threading.Event()
+    ReportListener(bus, settings.topic_prefix, table, stop, from_beginning=True).start()
+    try:
+        while True:
+            stop.wait(args.seconds)
+            print(format_replicas(table))
+            if not args.watch:
+                return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop.set()
+        bus.close()
+
+
+def format_replicas(table) -> str:
+    """The table `deepmesh replicas` prints: a replica out of rotation says so."""
+    live = {r.replica for stage in ("prefill", "decode") for r in table.live(stage)}
+    header = (
+        f"{'replica':<36} {'stage':<8} {'parts':<8} {'queued':>6} {'running':>7} {'queued tok':>10} "
+        f"{'free blocks':>12} {'free slots':>10} {'prefill tok/s':>13} {'step ms':>8} {'tier 0':>6}  state"
+    )
+    lines = [header]
+    for r in table.all():
+        lines.append(
+            f"{r.replica:<36} {r.stage:<8} {','.join(map(str, r.partitions)) or '-':<8} {r.queued_jobs:>6} "
+            f"{r.running_jobs:>7} {r.queued_tokens:>10,} {f'{r.free_blocks}/{r.total_blocks}':>12} "
+            f"{f'{r.free_slots}/{r.max_slots}':>10} {r.tokens_per_second:>13,.0f} {r.step_seconds * 1000:>8.1f} "
+            f"{len(r.resident):>6}  {'live' if r.replica in live else 'out of rotation'}"
+        )
+    if len(lines) == 1:
+        lines.append("(no reports: no prefill or decode replica is running)")
+    return "\n".join(lines)
 
 
 def _cache_stats(url: str) -> int:
@@ -314,12 +379,23 @@ def _cache_stats(url: str) -> int:
     return 0
 
 
-def _make_worker(command: str, bus, settings, model: Path):
+def _replica_table(bus, topic_prefix: str):
+    """The replicas' load reports, read on a thread for as long as the process runs: routers
+    and the gateway's admission control go by them."""
+    from common.replicas import ReplicaTable, ReportListener
+
+    table = ReplicaTable()
+    ReportListener(bus, topic_prefix, table).start()
+    return table
+
+
+def _make_worker(command: str, bus, settings, model: Path, replicas):
     if command == "tokenizer":
         from tokenizer_svc.protocol import Codec
         from tokenizer_svc.worker import TokenizerWorker
 
-        return TokenizerWorker(bus, settings.topic_prefix, Codec.for_model(model, settings.served_model_name))
+        codec = Codec.for_model(model, settings.served_model_name)
+        return TokenizerWorker(bus, settings.topic_prefix, codec, replicas)
     from cache_svc.client import StateClient
     from cache_svc.retention import Retention
     from engine import LLMEngine
@@ -338,10 +414,12 @@ def _make_worker(command: str, bus, settings, model: Path):
             StateClient(settings.cache_url),
             retention=retention,
             anchor_interval=settings.cache_anchor_interval,
+            replicas=replicas,
         )
     from decode_svc.worker import DecodeWorker
 
-    return DecodeWorker(bus, settings.topic_prefix, engine, StateClient(settings.cache_url), retention=retention)
+    store = StateClient(settings.cache_url)
+    return DecodeWorker(bus, settings.topic_prefix, engine, store, retention=retention, replicas=replicas)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -15,7 +15,8 @@ from cache_svc.maintenance import MaintenanceThread
 from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common.bus import Bus
-from common.topics import all_topic_names
+from common.replicas import ReplicaTable, ReportListener
+from common.topics import create_all
 from common.worker import Worker, run_workers
 from decode_svc.worker import DecodeWorker
 from engine import LLMEngine
@@ -40,7 +41,7 @@ class Mesh:
     ):
         model_path = Path(model_path)
         self.bus = bus
-        bus.create_topics(all_topic_names(topic_prefix), partitions)
+        create_all(bus, topic_prefix, partitions)
         prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
         # one copy of the weights; decode never starts from a prefix, so it keeps none resident
         decode_options = {**engine_options, "resident_prefix_bytes": 0}
@@ -48,14 +49,23 @@ class Mesh:
         codec = Codec.for_model(model_path, served_model)
         self.store = store
         self.maintenance_seconds = maintenance_seconds
-        self.tokenizer = TokenizerWorker(bus, topic_prefix, codec)
-        self.prefill = PrefillWorker(
-            bus, topic_prefix, prefill_engine, store, retention=retention, anchor_interval=anchor_interval
-        )
-        self.decode = DecodeWorker(bus, topic_prefix, decode_engine, store, retention=retention)
-        self.workers: list[Worker] = [self.tokenizer, self.prefill, self.decode]
         self.stopping = threading.Event()
+        # the load reports every router here (and the gateway's admission control) reads
+        self.replicas = ReplicaTable()
+        self.listener = ReportListener(bus, topic_prefix, self.replicas, self.stopping)
         self._threads: list[threading.Thread] = []
+        self.tokenizer = TokenizerWorker(bus, topic_prefix, codec, self.replicas)
+        self.prefill = PrefillWorker(
+            bus,
+            topic_prefix,
+            prefill_engine,
+            store,
+            retention=retention,
+            anchor_interval=anchor_interval,
+            replicas=self.replicas,
+        )
+        self.decode = DecodeWorker(bus, topic_prefix, decode_engine, store, retention=retention, replicas=self.replicas)
+        self.workers: list[Worker] = [self.tokenizer, self.prefill, self.decode]
 
     @property
     def engine_workers(self) -> list[Worker]:
@@ -63,8 +73,12 @@ class Mesh:
 
     def start(self, workers: list[Worker] | None = None) -> Mesh:
         """Run the workers (by default all of them) on background threads, engine workers on one
-        thread, and the cache's maintenance tasks on another."""
+        thread, the cache's maintenance tasks on another, and the reader of the replicas' load
+        reports (which the routers go by) on a third."""
         workers = workers if workers is not None else self.workers
+        if self.listener.ident is None:  # started once, by the first start()
+            self.listener.start()
+            self._threads.append(self.listener)
         maintenance = MaintenanceThread(self.store, self.maintenance_seconds, self.stopping)
         maintenance.start()
         self._threads.append(maintenance)

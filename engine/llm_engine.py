@@ -188,6 +188,26 @@ class LLMEngine:
         self.resident.hits += 1
         return cached
 
+    def keep_resident(self, namespace: str, snapshot: StateSnapshot) -> bool:
+        """Hold a prefix's state in this engine's own memory without a request for it: loaded now,
+        off any request's path, so that a later prompt starting with its tokens takes it back with
+        no load (a conversation's answer, computed by a decode engine, for its next turn). Its
+        blocks are written and freed at once: free blocks keep their content until reused, and
+        nothing running is displaced. False when it is not a prefix state or there is no room."""
+        self._check_snapshot(snapshot)
+        allocator, n_blocks = self.cache.block_allocator, len(snapshot.blocks) if self.cache.uses_blocks else 0
+        if snapshot.last_hidden is None or n_blocks > allocator.num_free or self.resident.max_bytes <= 0:
+            return False
+        block_ids = [allocator.allocate() for _ in range(n_blocks)]
+        if n_blocks:
+            self.cache.blocks[block_ids] = snapshot.blocks.to(self.cache.blocks.device)
+        for block_id in block_ids:
+            allocator.release(block_id)
+        slot = {k: v.to(self.device) for k, v in snapshot.slot.items()}
+        entry = ResidentPrefix(snapshot.num_computed, block_ids, slot, snapshot.last_hidden.to(self.device, self.dtype))
+        self.resident.add(namespace, snapshot.token_ids[: snapshot.num_computed], entry)
+        return True
+
     def import_state(self, request_id: str, snapshot: StateSnapshot, sampling_params: SamplingParams) -> bool:
         """Continue a request from another engine's snapshot; the next step decodes it.
 

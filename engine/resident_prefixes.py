@@ -19,13 +19,13 @@ slot copies count against `max_bytes` (LRU beyond it).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from common.prefixes import base_length, prefix_key, reported
 
 
 @dataclass
@@ -34,15 +34,12 @@ class ResidentPrefix:
     block_ids: list[int]  # ceil(num_tokens / 128) blocks of the pool, free or in use
     slot: dict[str, torch.Tensor]  # a copy: slots are reused at once
     last_hidden: torch.Tensor | None
+    base: bytes = b""  # the key of its full blocks' tokens (common/prefixes.py), for load reports
 
     @property
     def size(self) -> int:
         tensors = [*self.slot.values(), *([self.last_hidden] if self.last_hidden is not None else [])]
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def prefix_key(namespace: str, token_ids: Sequence[int]) -> bytes:
-    return hashlib.sha256(namespace.encode() + b"\0" + array("I", token_ids).tobytes()).digest()
 
 
 class ResidentPrefixes:
@@ -61,6 +58,7 @@ class ResidentPrefixes:
         if entry.size > self.max_bytes:
             return
         key = prefix_key(namespace, token_ids)
+        entry.base = prefix_key(namespace, token_ids[: base_length(len(token_ids))])
         self._drop(key)
         self._entries[key] = entry
         self.used_bytes += entry.size
@@ -78,6 +76,12 @@ class ResidentPrefixes:
                 self._entries.move_to_end(key)
                 return self._entries[key]
         return None
+
+    def summary(self, limit: int = 256) -> list[tuple[int, str, str]]:
+        """What a load report tells routers this engine holds: (tokens, base key, key) of its
+        most recently used entries."""
+        recent = list(reversed(self._entries.items()))[:limit]
+        return [(entry.num_tokens, reported(entry.base), reported(key)) for key, entry in recent]
 
     def block_reused(self, block_id: int) -> None:
         """A block is being allocated again: the entries that needed its content are gone."""

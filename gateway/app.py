@@ -36,11 +36,13 @@ from common.api import (
     server_error_kind,
     tenancy_problem,
 )
-from common.bus import Bus
+from common.bus import Bus, produce_everywhere
 from common.messages import Envelope, RequestPayload, ResultPayload
+from common.replicas import ReplicaTable
 from common.topics import Topic, topic_name
 from common.tracing import Span, SpanKind, headers_of, http_telemetry, job_span, start_span
 from gateway import schemas
+from gateway.admission import Admission
 from gateway.jobs import FINAL, JobStore
 from gateway.results import JobRecorder, ResultRouter
 
@@ -121,6 +123,14 @@ def queue_unavailable(endpoint: str) -> JSONResponse:
     return response
 
 
+def too_busy(endpoint: str, retry_after: int) -> JSONResponse:
+    """429 with Retry-After: no replica could start the request within the admission bound."""
+    message = f"every replica is busy beyond the admission bound; retry in {retry_after} s"
+    response = protocol_error(endpoint, 429, message, "rate_limit_error")
+    response.headers["Retry-After"] = str(retry_after)
+    return response
+
+
 def error_response(endpoint: str, result: ResultPayload) -> JSONResponse:
     body = result.body or {}
     if endpoint == "messages" and "type" not in body:  # the recipe reports errors in OpenAI's shape
@@ -136,9 +146,15 @@ def create_app(
     jobs: JobStore,
     result_timeout: float = 600.0,
     cache_stats: Callable[[], dict] | None = None,
+    replicas: ReplicaTable | None = None,
+    admission_wait_seconds: float = 30.0,
 ) -> FastAPI:
     """The API over the bus. `cache_stats`: the embedded mode's KV cache statistics, which the
-    gateway then serves at GET /v1/cache/stats (distributed, the cache service serves them)."""
+    gateway then serves at GET /v1/cache/stats (distributed, the cache service serves them).
+    `replicas`: the replicas' load reports, by which a call that no replica could start within
+    `admission_wait_seconds` is refused with a 429 (gateway/admission.py); None: every call is
+    queued."""
+    admission = Admission(replicas, admission_wait_seconds) if replicas is not None else None
     results_topic = topic_name(Topic.RESULTS, topic_prefix)
     router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
     recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs)
@@ -227,8 +243,8 @@ def create_app(
         cancel = Envelope(type="cancel", job_id=job_id).encode()
         with job_span("cancel job", job_id, parent) as span:
             headers = headers_of(span)
-            for topic in (prefill_topic, decode_topic):
-                bus.produce(topic, job_id, cancel, headers)
+            for topic in (prefill_topic, decode_topic):  # every replica: a router chose one
+                produce_everywhere(bus, topic, job_id, cancel, headers)
 
     def cancel_soon(job_id: str, parent: Span) -> None:
         """cancel_everywhere without waiting for it: usable where the call itself is being cancelled."""
@@ -254,6 +270,9 @@ def create_app(
             return options
         if problem := protocol_problem(endpoint, body):
             return protocol_error(endpoint, 400, problem)
+        size = int(request.headers.get("content-length") or 0)
+        if admission is not None and (retry_after := admission.retry_after(size)) is not None:
+            return too_busy(endpoint, retry_after)
         queue = router.watch(job_id)
         gone = asyncio.create_task(client_gone(request))
         streaming = False

@@ -31,10 +31,13 @@ from common.messages import (
     PrefillPayload,
     ResultPayload,
     TokensPayload,
+    WarmPayload,
     payload_of,
 )
+from common.replicas import ReplicaTable
+from common.routing import Route, Router
 from common.topics import Topic
-from common.tracing import Span, SpanKind, context_of, start_span, within
+from common.tracing import Span, SpanKind, context_of, sender_span, start_span, within
 from common.worker import EarlyCancels, EngineWorker
 from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
 from engine.prefix_connector import PrefixConnector
@@ -88,25 +91,34 @@ class PrefillWorker(EngineWorker):
         retention: Retention | None = None,
         anchor_interval: int = 1024,
         fetch_threads: int = 2,
+        replicas: ReplicaTable | None = None,
     ):
-        super().__init__(bus, topic_prefix, fetch_threads)
+        """`replicas`: the load reports this worker routes decode jobs by (None: by job id)."""
+        super().__init__(bus, topic_prefix, fetch_threads, replicas)
+        self.decode_router = Router(replicas, "decode") if replicas is not None else None
         self.engine = engine
         self.cache = PrefixConnector(store, engine.layout, retention)
         self.lease_seconds = lease_seconds
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
         self.jobs: dict[str, _Job] = {}
+        self.warming: list[tuple[str, Future[StateSnapshot | None]]] = []  # (tenant, its load)
         self.cancelled = EarlyCancels()
         self.tokens_per_second = 0.0  # measured prefill speed, against which a load is weighed
+        self.load_tokens_per_second = 0.0  # measured speed of prefix loads from the cache service
 
     @property
     def busy(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.jobs or self.warming)
 
     def handle(self, records: list[Record]) -> None:
         for record in records:
             try:
-                envelope = self.job_message(record, "prefill")
+                envelope = self.job_message(record, "prefill", also=("warm",))
                 if envelope is None:
+                    continue
+                if envelope.type == "warm":
+                    self._warm(envelope.job_id, payload_of(envelope, WarmPayload), record.headers)
+                    self.watermarks.seen(record)
                     continue
                 payload = payload_of(envelope, PrefillPayload)
             except BadMessage as err:
@@ -120,6 +132,8 @@ class PrefillWorker(EngineWorker):
                 self.end_here(job_id)
                 self.watermarks.seen(record)
                 continue
+            if self.rerouted(record, envelope, payload):
+                continue
             sampling = payload.sampling
             params = SamplingParams(
                 max_tokens=sampling.max_tokens,
@@ -131,7 +145,13 @@ class PrefillWorker(EngineWorker):
             )
             prompt_tokens = len(payload.prompt_token_ids)
             parent = context_of(record.headers)
-            span = start_span("prefill", job_id, parent, SpanKind.CONSUMER, **{"deepmesh.prompt_tokens": prompt_tokens})
+            span = start_span(
+                "prefill",
+                job_id,
+                parent,
+                SpanKind.CONSUMER,
+                **{"deepmesh.prompt_tokens": prompt_tokens, "deepmesh.replica": self.replica},
+            )
             job = _Job(payload, params, record, span)
             resident = self.engine.resident.longest(payload.tenant, payload.prompt_token_ids, prompt_tokens)
             job.resident_tokens = resident.num_tokens if resident is not None else 0
@@ -139,6 +159,30 @@ class PrefillWorker(EngineWorker):
             self.jobs[job_id] = job
             self.watermarks.hold(record, job_id)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
+
+    def _warm(self, job_id: str, warm: WarmPayload, headers: dict[str, bytes]) -> None:
+        """Load a finished conversation's state on a fetch thread (in its job's trace), to hold it
+        in the engine's own memory (`_keep_warmed`) unless it holds it already."""
+        held = self.engine.resident.longest(warm.tenant, warm.token_ids, len(warm.token_ids))
+
+        def load() -> StateSnapshot | None:
+            with within(sender_span(headers), job_id):
+                snapshot, _ = self.cache.fetch_prefix(
+                    job_id, warm.tenant, warm.retention, warm.token_ids, held=held.num_tokens if held else 0
+                )
+            return snapshot
+
+        self.warming.append((warm.tenant, self.fetcher.submit(load)))
+
+    def _keep_warmed(self) -> None:
+        for tenant, loading in [w for w in self.warming if w[1].done()]:
+            self.warming.remove((tenant, loading))
+            try:
+                snapshot = loading.result()
+                if snapshot is not None:
+                    self.engine.keep_resident(tenant, snapshot)
+            except Exception:  # a state not held is a load later, nothing more
+                log.exception("holding a finished conversation's state failed")
 
     def cancel(self, job_id: str) -> None:
         """Drop a job now, wherever it is here; a cancel that comes first drops it on arrival."""
@@ -163,11 +207,16 @@ class PrefillWorker(EngineWorker):
         if it is worth loading: longer than what the engine holds itself, and quicker to load
         than to compute. No engine work here: the engine has one thread."""
         prompt, payload = job.payload.prompt_token_ids, job.payload
+        started = time.perf_counter()
         with within(job.span, job_id):
             held = job.resident_tokens
             snapshot, match = self.cache.fetch_prefix(
                 job_id, payload.tenant, payload.retention, prompt, lambda m: self._too_slow_to_load(m, held), held
             )
+        if snapshot is not None:  # what routers weigh a load from the cache service by
+            speed = snapshot.num_computed / max(time.perf_counter() - started, 1e-6)
+            known = self.load_tokens_per_second
+            self.load_tokens_per_second = speed if not known else 0.9 * known + 0.1 * speed
         return _Fetched(snapshot, match)
 
     def _admit(self, job_id: str, job: _Job) -> None:
@@ -224,6 +273,7 @@ class PrefillWorker(EngineWorker):
         return match.load_seconds > (match.num_tokens - held) / self.tokens_per_second
 
     def idle(self) -> None:
+        self._keep_warmed()
         if not self.jobs:
             return
         self.admit_fetched()
@@ -312,8 +362,30 @@ class PrefillWorker(EngineWorker):
             cached_tokens=job.cached_tokens,
             tenant=job.payload.tenant,
             retention=job.payload.retention,
+            prefilled_by=self.replica,
         )
-        self.hop(Topic.DECODE, Envelope(type="decode", job_id=job_id, payload=handoff.model_dump()), job.span)
+        envelope = Envelope(type="decode", job_id=job_id, payload=handoff.model_dump())
+        if self.decode_router is None:
+            self.hop(Topic.DECODE, envelope, job.span)
+            return
+        route = self.decode_router.decode(job_id, len(handoff.prompt_token_ids) + handoff.sampling.max_tokens)
+        self.dispatch(Topic.DECODE, envelope, job.span, self.decode_router, route)
+
+    def route_again(self, router: Router, job_id: str, payload: PrefillPayload) -> Route:
+        return router.prefill(job_id, payload.tenant, payload.prompt_token_ids, rerouted=True)
+
+    def queued_tokens(self) -> int:
+        waiting = 0
+        for job_id, job in self.jobs.items():
+            seq = self.engine.seqs.get(job_id)
+            if seq is not None:
+                waiting += max(0, len(seq.prompt_token_ids) - seq.num_computed)
+            elif job.hand_over is None:  # its prefix is being looked up and loaded
+                waiting += len(job.payload.prompt_token_ids) - job.resident_tokens
+        return waiting
+
+    def speeds(self) -> dict[str, float]:
+        return {"tokens_per_second": self.tokens_per_second, "load_tokens_per_second": self.load_tokens_per_second}
 
     def _done(self, job_id: str) -> None:
         """The job has left this stage: its record may be committed."""

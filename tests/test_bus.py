@@ -57,6 +57,23 @@ def test_round_trip_keeps_headers_and_per_key_order(bus):
     assert first.headers["traceparent"] == b"00-" + b"0" * 32 + b"-" + b"0" * 16 + b"-01"
 
 
+def test_a_record_goes_to_the_partition_it_names_and_says_where_it_was_stored(bus):
+    """How a router sends a job to one replica: whatever the key, the record lands in the named
+    partition, and produce answers (partition, offset) as the consumer then sees them."""
+    topic = fresh(bus, partitions=3)
+    assert bus.partitions(topic) == 3
+    where = bus.produce_batch(topic, [(f"job-{i}", f"{i}".encode(), None, 2) for i in range(6)])
+    where.append(bus.produce(topic, "by-key", b"k"))
+    consumer = bus.consumer([topic], group=f"g-{uuid.uuid4().hex[:8]}")
+    records = poll_until(consumer, 7)
+    consumer.close()
+    seen = {r.value: (r.partition, r.offset) for r in records}
+    assert [p for p, _ in where[:6]] == [2] * 6
+    assert [seen[f"{i}".encode()] for i in range(6)] == where[:6]
+    assert seen[b"k"] == where[6]
+    assert [o for _, o in where[:6]] == sorted(o for _, o in where[:6])
+
+
 def test_every_group_sees_every_record(bus):
     topic = fresh(bus)
     for i in range(10):

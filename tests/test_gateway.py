@@ -108,10 +108,10 @@ class _BrokerAway(MemoryBus):
     """A bus whose broker does not take requests: what a client meets while Kafka restarts
     (tests/test_chaos.py restarts a real broker)."""
 
-    def produce_batch(self, topic, records) -> None:
+    def produce_batch(self, topic, records) -> list[tuple[int, int]]:
         if topic.endswith("requests"):
             raise TimeoutError("KafkaTimeoutError: batch for requests-0 expired")
-        super().produce_batch(topic, records)
+        return super().produce_batch(topic, records)
 
 
 def test_a_request_the_queue_cannot_take_is_a_503_to_retry(jobs):

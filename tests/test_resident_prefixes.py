@@ -54,6 +54,25 @@ def test_a_follow_up_and_a_repeat_resume_from_the_engines_own_blocks(model, para
     assert engine.resident.hits == 2 and all_free(engine)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_state_computed_by_another_engine_is_held_and_resumed_like_its_own(model, params):
+    """What a prefill replica does with a conversation decode finished: take its state into its
+    own blocks without a request, then start the next turn from it with no load."""
+    answered, extra = random_prompts([260, 30], seed=37)
+    decoder = LLMEngine(model)
+    first_token_then_free(decoder, "turn-1", answered, params)
+    state = decoder.export_state  # the state a decode engine stores at the end of an answer
+    decoder.import_resident("again", answered, params)
+    snapshot = state("again")
+    held_by = LLMEngine(model)
+    assert held_by.keep_resident(params.prefix_namespace, snapshot)
+    assert all_free(held_by)  # held in free blocks: nothing running is displaced
+    assert held_by.import_resident("turn-2", answered + extra, params) == 260
+    assert run_to_end(held_by) == {"turn-2": cold(model, answered + extra, params)}
+    # another tenant's prompt with the same tokens does not find it
+    assert held_by.import_resident("other", answered + extra, SamplingParams(max_tokens=2, prefix_namespace="x")) == 0
+
+
 def test_tenants_never_share_what_an_engine_holds(model):
     prompt, extra = random_prompts([300, 20], seed=35)
     engine = LLMEngine(model)

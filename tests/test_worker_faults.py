@@ -116,12 +116,12 @@ class _TokensSendFailsOnce(MemoryBus):
         self.armed = threading.Event()
         self.failed = threading.Event()
 
-    def produce_batch(self, topic, records) -> None:
+    def produce_batch(self, topic, records) -> list[tuple[int, int]]:
         if topic.endswith(Topic.TOKENS.value) and self.armed.is_set():
             self.armed.clear()
             self.failed.set()
             raise TimeoutError("no acknowledgement from the broker")
-        super().produce_batch(topic, records)
+        return super().produce_batch(topic, records)
 
 
 def test_a_step_that_fails_part_way_is_really_done_again(tiny_preset, tmp_path, expected):

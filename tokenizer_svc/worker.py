@@ -30,6 +30,8 @@ from common.messages import (
     decode,
     payload_of,
 )
+from common.replicas import ReplicaTable
+from common.routing import Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span
 from common.worker import EarlyCancels, Worker
@@ -50,9 +52,11 @@ class TokenizerWorker(Worker):
     topics = (Topic.REQUESTS, Topic.TOKENS)
     group = "tokenizer"
 
-    def __init__(self, bus: Bus, topic_prefix: str, codec: Codec):
+    def __init__(self, bus: Bus, topic_prefix: str, codec: Codec, replicas: ReplicaTable | None = None):
+        """`replicas`: the load reports this worker routes prefill jobs by (None: by job id)."""
         super().__init__(bus, topic_prefix)
         self.codec = codec
+        self.prefill_router = Router(replicas, "prefill") if replicas is not None else None
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()  # jobs that ended before their start came
 
@@ -124,7 +128,11 @@ class TokenizerWorker(Worker):
         # first the start, then the job: its tokens, which come after the prefill, find it there
         self.hop(Topic.TOKENS, Envelope(type="start", job_id=envelope.job_id, payload=start.model_dump()), span)
         message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
-        self.hop(Topic.PREFILL, message, span)
+        if self.prefill_router is None:
+            self.hop(Topic.PREFILL, message, span)
+            return
+        route = self.prefill_router.prefill(envelope.job_id, prefill.tenant, prefill.prompt_token_ids)
+        self.dispatch(Topic.PREFILL, message, span, self.prefill_router, route)
 
     def _refuse(self, job_id: str, status: int, body: dict, span: Span) -> None:
         """A request that cannot be run: its error is its whole answer."""
@@ -166,12 +174,12 @@ class TokenizerWorker(Worker):
                 events += job.output.tokens(message.token_ids[taken:])
                 if message.finished or job.output.complete:
                     if not message.finished:  # a stop sequence ended the answer: decoding the rest is waste
-                        self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
+                        self.cancel_everywhere(Topic.DECODE, job_id, job.headers)
                     events += job.output.finish(message.finish_reason or "stop")
                     finished[job_id] = pending.pop(job_id, []) + events
                     return
         except Exception as err:  # the recipe could not convert this output: it ends this job alone
-            self.send(Topic.DECODE, Envelope(type="cancel", job_id=job_id), job.headers)
+            self.cancel_everywhere(Topic.DECODE, job_id, job.headers)
             raise OutputFailed(job_id, job.output.endpoint, err) from err
         pending.setdefault(job_id, []).extend(events)
 
@@ -192,7 +200,7 @@ class TokenizerWorker(Worker):
             span.end()
             self.watermarks.seen(record)
             for topic in (Topic.PREFILL, Topic.DECODE):
-                self.send(topic, Envelope(type="cancel", job_id=job_id))
+                self.cancel_everywhere(topic, job_id)
             raise OutputFailed(job_id, start.endpoint, err) from err
         self.jobs[job_id] = _Job(output, span, headers_of(span))
         self.watermarks.hold(record, job_id)
