@@ -29,6 +29,7 @@ before), and the router's decision time. Scenarios: the load where hashing's P90
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -582,6 +583,12 @@ def main() -> None:
     parser.add_argument("--rates", type=str, default="", help="comma-separated session rates to sweep (default: found)")
     parser.add_argument("--workloads", type=str, default="multiturn,mooncake")
     parser.add_argument("--mooncake", type=Path, default=None, help="a Mooncake trace (JSON lines) to replay")
+    parser.add_argument(
+        "--cost-scale",
+        type=float,
+        default=1.0,
+        help="multiply the fitted step times (a heavier model on these cores: replicas, not this harness, saturate)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/routing")
     args = parser.parse_args()
@@ -594,9 +601,10 @@ def main() -> None:
     model = LLMEngine.from_pretrained(args.model).model
     cost = None
     if args.engine == "sim":
-        cost = CostModel.measured(args.model)
+        fitted = CostModel.measured(args.model)
+        cost = CostModel(*(args.cost_scale * v for v in dataclasses.astuple(fitted)))
         print(
-            f"cost model from the real engine: prefill {cost.prefill_base * 1e3:.1f} ms"
+            f"cost model from the real engine (x{args.cost_scale:g}): prefill {cost.prefill_base * 1e3:.1f} ms"
             f" + {cost.prefill_per_token * 1e6:.0f} us/token, decode {cost.decode_base * 1e3:.1f} ms"
             f" + {cost.decode_per_seq * 1e3:.2f} ms/sequence"
         )

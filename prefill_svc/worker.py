@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from cache_svc.retention import Retention
@@ -75,6 +75,7 @@ class _Job:
 
 
 log = logging.getLogger(__name__)
+WARM_BACKLOG = 4
 
 
 class PrefillWorker(EngineWorker):
@@ -101,6 +102,10 @@ class PrefillWorker(EngineWorker):
         self.lease_seconds = lease_seconds
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
         self.jobs: dict[str, _Job] = {}
+        # warm loads (finished conversations to hold, WarmPayload) run on a thread of their own,
+        # never ahead of a job's own prefix load, and at most WARM_BACKLOG wait: each one is only
+        # a saving for a later turn
+        self.warmer = ThreadPoolExecutor(1, thread_name_prefix="prefill-warm")
         self.warming: list[tuple[str, Future[StateSnapshot | None]]] = []  # (tenant, its load)
         self.cancelled = EarlyCancels()
         self.tokens_per_second = 0.0  # measured prefill speed, against which a load is weighed
@@ -163,6 +168,8 @@ class PrefillWorker(EngineWorker):
     def _warm(self, job_id: str, warm: WarmPayload, headers: dict[str, bytes]) -> None:
         """Load a finished conversation's state on a fetch thread (in its job's trace), to hold it
         in the engine's own memory (`_keep_warmed`) unless it holds it already."""
+        if len(self.warming) >= WARM_BACKLOG:
+            return
         held = self.engine.resident.longest(warm.tenant, warm.token_ids, len(warm.token_ids))
 
         def load() -> StateSnapshot | None:
@@ -172,7 +179,7 @@ class PrefillWorker(EngineWorker):
                 )
             return snapshot
 
-        self.warming.append((warm.tenant, self.fetcher.submit(load)))
+        self.warming.append((warm.tenant, self.warmer.submit(load)))
 
     def _keep_warmed(self) -> None:
         for tenant, loading in [w for w in self.warming if w[1].done()]:
