@@ -87,7 +87,9 @@ def choose_prefill(
         compute = len(prompt) - own
         start = compute / speed
         if anywhere > own and report.load_tokens_per_second > 0:  # load the longer prefix from the cache service
-            start = min(start, (anywhere - own) / report.load_tokens_per_second + (len(prompt) - anywhere) / speed)
+            loading = (anywhere - own) / report.load_tokens_per_second + (len(prompt) - anywhere) / speed
+            if loading < start:  # what it adds to that replica's work is then only the rest
+                start, compute = loading, len(prompt) - anywhere
         predicted = backlog / speed + start
         candidate = (predicted, _tie_break(job_id, report.replica), report, compute)
         if best is None or candidate[:2] < best[:2]:

@@ -58,7 +58,9 @@ def test_a_holder_with_a_long_queue_loses_to_an_idle_replica():
     assert route.predicted_seconds == pytest.approx(0.6)
     # a replica that measured its loads from the cache service counts on loading the prefix
     quick = prefill_report("b", 1, load_tokens_per_second=51_200.0)
-    assert choose_prefill([a, quick], {}, "job-1", "acme", PROMPT).predicted_seconds == pytest.approx(0.01 + 0.088)
+    loads = choose_prefill([a, quick], {}, "job-1", "acme", PROMPT)
+    assert (loads.replica, loads.predicted_seconds) == ("b", pytest.approx(0.01 + 0.088))
+    assert loads.cost == 88  # what it adds to b's work: the tokens past the prefix it loads
 
 
 def test_a_burst_spreads_out_before_the_next_reports():
