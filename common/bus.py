@@ -125,6 +125,38 @@ def _checked_out(claims: ClaimStore | None, records: list[Record]) -> list[Recor
 
 # -- in-process ---------------------------------------------------------------------------------
 
+SHORT_LIVED_RECORDS = 1024  # per partition of a short-lived topic, the newest records the in-process bus keeps
+
+
+class _PartitionLog:
+    """One partition's records from offset `start` on: a short-lived topic's (`keep` set) drops
+    its oldest, and a consumer positioned before them starts at the oldest kept, as Kafka's do
+    when retention has deleted what they had not read."""
+
+    def __init__(self, keep: int | None = None):
+        self.records: list[Record] = []
+        self.start = 0
+        self.keep = keep
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.records)
+
+    def append(self, topic: str, part: int, key: str, value: bytes, headers: Headers | None) -> int:
+        offset = self.end
+        self.records.append(Record(topic, part, offset, key, value, dict(headers or {})))
+        if self.keep is not None and len(self.records) >= 2 * self.keep:  # trimmed in bulk, now and then
+            dropped = len(self.records) - self.keep
+            del self.records[:dropped]
+            self.start += dropped
+        return offset
+
+    def read(self, position: int, limit: int) -> tuple[list[Record], int]:
+        """Up to `limit` records from `position` on, and the position after them."""
+        begin = max(position, self.start)
+        taken = self.records[begin - self.start : begin - self.start + limit]
+        return taken, begin + len(taken)
+
 
 class MemoryBus:
     """Kafka's delivery model inside one process, for the embedded mode and fast tests."""
@@ -135,14 +167,15 @@ class MemoryBus:
     def __init__(self, claims: ClaimStore | None = None) -> None:
         self.claims = claims  # None: values of any size stay in the records (nothing limits them here)
         self._lock = threading.Lock()
-        self._logs: dict[str, list[list[Record]]] = {}
+        self._logs: dict[str, list[_PartitionLog]] = {}
         self._committed: dict[tuple[str, str, int], int] = {}  # (group, topic, partition) -> next offset
         self._members: dict[str, list[MemoryConsumer]] = {}
 
     def create_topics(self, names: Iterable[str], partitions: int, short_lived: bool = False) -> None:
-        with self._lock:  # short-lived topics keep everything here: a process's lifetime of status is small
+        keep = SHORT_LIVED_RECORDS if short_lived else None
+        with self._lock:
             for name in names:
-                self._logs.setdefault(name, [[] for _ in range(partitions)])
+                self._logs.setdefault(name, [_PartitionLog(keep) for _ in range(partitions)])
 
     def partitions(self, topic: str) -> int:
         with self._lock:
@@ -162,8 +195,7 @@ class MemoryBus:
             log = self._logs[topic]
             for key, value, headers, partition in checked:
                 part = partition_for(key, len(log)) if partition is None else partition
-                log[part].append(Record(topic, part, len(log[part]), key, value, dict(headers or {})))
-                stored.append((part, len(log[part]) - 1))
+                stored.append((part, log[part].append(topic, part, key, value, headers)))
             # one wake-up per batch: a consumer then takes the whole step's records in one poll
             for members in self._members.values():
                 for member in members:
@@ -180,7 +212,7 @@ class MemoryBus:
             if not from_beginning:
                 for topic in topics:
                     for part, log in enumerate(self._logs[topic]):
-                        self._committed.setdefault((group, topic, part), len(log))
+                        self._committed.setdefault((group, topic, part), log.end)
             member = MemoryConsumer(self, topics, group)
             self._members.setdefault(group, []).append(member)
             self._rebalance(group)
@@ -223,10 +255,9 @@ class MemoryConsumer:
             while not self.closed:
                 records = []
                 for (topic, part), position in self.positions.items():
-                    log = self.bus._logs[topic][part]
-                    taken = log[position : position + max_records - len(records)]
+                    taken, after = self.bus._logs[topic][part].read(position, max_records - len(records))
                     records.extend(taken)
-                    self.positions[(topic, part)] = position + len(taken)
+                    self.positions[(topic, part)] = after
                     if len(records) >= max_records:
                         break
                 if records:

@@ -74,6 +74,26 @@ def test_a_record_goes_to_the_partition_it_names_and_says_where_it_was_stored(bu
     assert [o for _, o in where[:6]] == sorted(o for _, o in where[:6])
 
 
+def test_the_in_process_bus_keeps_only_the_newest_records_of_a_short_lived_topic():
+    """Load reports never stop coming: `deepmesh serve` would otherwise hold every one it ever
+    sent. A reader that fell behind starts at the oldest record kept, as on Kafka after retention."""
+    from common.bus import SHORT_LIVED_RECORDS
+
+    bus = MemoryBus()
+    bus.create_topics(["status"], 1, short_lived=True)
+    behind = bus.consumer(["status"], group="behind")
+    sent = 3 * SHORT_LIVED_RECORDS
+    where = [bus.produce("status", "replica-a", f"{i}".encode()) for i in range(sent)]
+    assert where[-1] == (0, sent - 1)  # offsets keep counting
+    kept = bus._logs["status"][0].records
+    assert len(kept) < 2 * SHORT_LIVED_RECORDS and kept[-1].offset == sent - 1
+    records = poll_until(behind, len(kept), timeout=5)
+    assert [r.offset for r in records] == [r.offset for r in kept]
+    late = bus.consumer(["status"], group="late", from_beginning=False)
+    bus.produce("status", "replica-a", b"next")
+    assert [r.value for r in late.poll(timeout=1)] == [b"next"]
+
+
 def test_every_group_sees_every_record(bus):
     topic = fresh(bus)
     for i in range(10):
