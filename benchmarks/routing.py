@@ -52,7 +52,7 @@ from common.bus import Bus, KafkaBus, MemoryBus
 from common.messages import Envelope, PrefillPayload, Sampling, TokensPayload, decode
 from common.prefixes import reported_entry
 from common.replicas import Dispatch, LoadReport, ReplicaTable, ReportListener
-from common.routing import Route, Router, choose_prefill
+from common.routing import Route, Router, backlog_tokens, choose_prefill
 from common.settings import Settings
 from common.topics import Topic, create_all, topic_name
 from common.worker import ROUTED_TO, run_workers
@@ -251,7 +251,7 @@ class Policy:
             else:  # least_loaded: queued tokens and what this router sent since, blind to prefixes
 
                 def load(report: LoadReport) -> tuple[int, int]:
-                    backlog = report.queued_tokens + sum(d.cost for d in self.table.in_flight(report))
+                    backlog = backlog_tokens(report, self.table.in_flight(report))
                     return backlog, zlib.crc32(f"{job_id}{report.replica}".encode())
 
                 chosen = min(live, key=load)

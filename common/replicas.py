@@ -15,6 +15,8 @@ thread of its own, so a replica deep in a long step still says it is alive.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -66,9 +68,6 @@ class LoadReport(BaseModel):
 
 def replica_name(stage: str) -> str:
     """A replica's name: its stage, host and process, unique across restarts."""
-    import os
-    import socket
-
     return f"{stage}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
@@ -93,14 +92,12 @@ class ReplicaTable:
         self._lock = threading.Lock()
         self._reports: dict[str, LoadReport] = {}
         self._sent: dict[str, list[Dispatch]] = {"prefill": [], "decode": []}
-        self.heard = threading.Event()  # set at the first report
 
     def update(self, report: LoadReport) -> None:
         with self._lock:
             known = self._reports.get(report.replica)
             if known is None or known.sent_at <= report.sent_at:
                 self._reports[report.replica] = report
-        self.heard.set()
 
     def live(self, stage: str) -> list[LoadReport]:
         """The replicas in rotation: reported recently, and owning a partition to send to."""
@@ -122,8 +119,7 @@ class ReplicaTable:
 
     def in_flight(self, report: LoadReport) -> list[Dispatch]:
         """What this process sent to the replica's partitions that its report does not count:
-        past the offset it had read up to. A dispatch counted by every replica's report (or
-        older than a minute: a partition nobody reads) is forgotten."""
+        past the offset it had read up to."""
         with self._lock:
             owned, read = set(report.partitions), report.consumed
             return [
@@ -131,6 +127,8 @@ class ReplicaTable:
             ]
 
     def forget_counted(self) -> None:
+        """Drop the dispatches some report has counted already (or older than a minute: sent to
+        a partition nobody reads)."""
         now = time.monotonic()
         with self._lock:
             for stage, sent in self._sent.items():

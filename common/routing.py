@@ -61,6 +61,12 @@ def resident_tokens(reports: Sequence[LoadReport], tenant: str, prompt: Sequence
     return {replica: max((n for n, key in held if wanted[n] == key), default=0) for replica, held in candidates.items()}
 
 
+def backlog_tokens(report: LoadReport, sent: Sequence[Dispatch]) -> int:
+    """Prompt tokens ahead of a new job on a prefill replica: what it reported, and what was sent
+    to it since."""
+    return report.queued_tokens + sum(d.cost for d in sent)
+
+
 def _tie_break(job_id: str, replica: str) -> int:
     """A per-job order of the replicas (rendezvous hashing): ties spread evenly, the same everywhere."""
     return int.from_bytes(hashlib.blake2b(f"{job_id}/{replica}".encode(), digest_size=8).digest())
@@ -82,7 +88,7 @@ def choose_prefill(
     best: tuple[float, int, LoadReport, int] | None = None
     for report in reports:
         speed = report.tokens_per_second or fallback
-        backlog = report.queued_tokens + sum(d.cost for d in in_flight.get(report.replica, ()))
+        backlog = backlog_tokens(report, in_flight.get(report.replica, ()))
         own = held[report.replica]
         compute = len(prompt) - own
         start = compute / speed

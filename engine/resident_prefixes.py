@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.prefixes import base_length, prefix_key, reported
+from common.prefixes import base_length, prefix_key, prefix_keys, reported
 
 
 @dataclass
@@ -70,8 +70,8 @@ class ResidentPrefixes:
 
     def longest(self, namespace: str, token_ids: Sequence[int], at_most: int) -> ResidentPrefix | None:
         """The longest entry of `namespace` whose tokens start `token_ids`, of at most `at_most` tokens."""
-        for n in sorted((n for n in self._lengths if n <= min(at_most, len(token_ids))), reverse=True):
-            key = prefix_key(namespace, token_ids[:n])
+        held = prefix_keys(namespace, token_ids, (n for n in self._lengths if n <= at_most))  # one pass
+        for _, key in sorted(held.items(), reverse=True):
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return self._entries[key]

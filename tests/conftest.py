@@ -62,6 +62,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset as `make run` makes it (seed 0, the V4 tokenizer): what the mesh, the
+    gateway and the distributed tests serve. Written once; nothing writes into it."""
+    from engine.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("preset") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["tiny-preset"]
 

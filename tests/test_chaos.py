@@ -11,10 +11,8 @@ from tests.infra import require_service
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("chaos") / "tiny", "tiny", seed=0)
+def model(tiny_preset):
+    return tiny_preset
 
 
 def test_streams_and_jobs_survive_every_kind_of_kill_and_a_broker_restart(model, tmp_path):

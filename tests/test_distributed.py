@@ -106,10 +106,8 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("dist") / "tiny", "tiny", seed=0)
+def model(tiny_preset) -> Path:
+    return tiny_preset
 
 
 @pytest.fixture(scope="module")

@@ -33,10 +33,8 @@ def resident_bytes() -> int:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("fuzz") / "tiny", "tiny", seed=0)
+def model(tiny_preset):
+    return tiny_preset
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,8 @@ from tokenizer_svc.protocol import Codec
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("gw") / "tiny", "tiny", seed=0)
+def model(tiny_preset):
+    return tiny_preset
 
 
 @pytest.fixture(scope="module")

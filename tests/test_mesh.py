@@ -24,13 +24,6 @@ from tokenizer_svc.protocol import Codec
 MODEL = "deepmesh-tiny"
 
 
-@pytest.fixture(scope="module")
-def tiny_preset(tmp_path_factory):
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("mesh") / "tiny", "tiny", seed=0)
-
-
 @pytest.fixture(scope="module", params=["memory", "kafka"])
 def mesh(request, tiny_preset, tmp_path_factory):
     if request.param == "memory":

@@ -71,10 +71,8 @@ def cached(answer: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("restart") / "tiny", "tiny", seed=0)
+def model(tiny_preset) -> Path:
+    return tiny_preset
 
 
 def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(model, tmp_path):

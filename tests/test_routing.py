@@ -123,13 +123,6 @@ def test_routers_that_read_the_same_reports_agree():
 # -- two replicas of each engine stage, in one process ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_preset(tmp_path_factory):
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("routing") / "tiny", "tiny", seed=0)
-
-
 @pytest.fixture(scope="module", params=["memory", "kafka"])
 def replicated(request, tiny_preset, tmp_path_factory):
     """A mesh with a second prefill and a second decode replica: the first ones' engines share

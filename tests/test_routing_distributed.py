@@ -28,10 +28,8 @@ GREEDY = {"temperature": 0, "extra_body": {"thinking": {"type": "disabled"}}}
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("routing") / "tiny", "tiny", seed=0)
+def model(tiny_preset) -> Path:
+    return tiny_preset
 
 
 @pytest.fixture(scope="module")

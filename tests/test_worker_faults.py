@@ -23,13 +23,6 @@ BODY = {**BODIES["chat.completions"], "stream": True}
 
 
 @pytest.fixture(scope="module")
-def tiny_preset(tmp_path_factory):
-    from engine.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("faults") / "tiny", "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
 def expected(tiny_preset) -> dict:
     return reference_body(tiny_preset, "chat.completions", BODY)["choices"][0]["message"]
 
