@@ -78,12 +78,12 @@ def _int64(text: str) -> int:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def parse_object(raw: bytes) -> dict[str, Any]:
+def parse_object(raw: bytes, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
     """A request body as a JSON object, or BadRequest: not UTF-8 JSON, not an object, NaN or
     Infinity, a number out of range, nesting deeper than MAX_NESTING, or a string holding a
     lone surrogate (which no encoder downstream can write)."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
+    if len(raw) > limit:
+        raise BadRequest(f"request body larger than {limit} bytes", 413)
     try:
         body = json.loads(raw, parse_constant=_no_constants, parse_float=_finite, parse_int=_int64)
     except RecursionError:

@@ -90,6 +90,8 @@ def payload_of(envelope: Envelope, model: type[BaseModel]):
 
 Endpoint = Literal["chat.completions", "responses", "messages"]
 RetentionClass = Literal["agent", "chat"]
+Priority = Literal["interactive", "batch"]
+ENGINE_PRIORITY = {"interactive": 0, "batch": 1}  # SamplingParams.priority
 TenantId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 
 
@@ -100,6 +102,7 @@ class RequestPayload(BaseModel):
     body: dict[str, Any]
     tenant: TenantId = "default"  # whose stored prefixes the request may use
     retention: RetentionClass | None = None  # how long its prefixes are kept; None: the endpoint's default
+    priority: Priority = "interactive"  # batch work runs in what interactive work leaves free
 
 
 class Sampling(BaseModel):
@@ -118,6 +121,7 @@ class PrefillPayload(BaseModel):
     sampling: Sampling
     tenant: TenantId = "default"
     retention: RetentionClass = "chat"
+    priority: Priority = "interactive"
 
 
 class KVHandle(BaseModel):
@@ -143,6 +147,7 @@ class DecodePayload(BaseModel):
     cached_tokens: int = 0
     tenant: TenantId = "default"
     retention: RetentionClass = "chat"
+    priority: Priority = "interactive"
     prefilled_by: str | None = None  # the prefill replica: it may hold the finished conversation for its next turn
 
 

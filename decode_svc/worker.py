@@ -17,7 +17,15 @@ from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common import metrics
 from common.bus import Bus, Record
-from common.messages import BadMessage, DecodePayload, Envelope, TokensPayload, WarmPayload, payload_of
+from common.messages import (
+    ENGINE_PRIORITY,
+    BadMessage,
+    DecodePayload,
+    Envelope,
+    TokensPayload,
+    WarmPayload,
+    payload_of,
+)
 from common.replicas import ReplicaTable
 from common.routing import Route, Router
 from common.topics import Topic
@@ -131,6 +139,7 @@ class DecodeWorker(EngineWorker):
             seed=payload.seed,
             keep_final_state=True,  # stored below as where the conversation's next turn can resume
             prefix_namespace=payload.tenant,
+            priority=ENGINE_PRIORITY[payload.priority],
         )
         try:
             with within(job.span, job_id):

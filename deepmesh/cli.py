@@ -199,6 +199,9 @@ def _serve(args: argparse.Namespace) -> int:
         cache_stats=mesh.store.stats,
         replicas=mesh.replicas,
         admission_wait_seconds=settings.admission_wait_seconds,
+        files_dir=settings.files_dir,
+        batch_rounds=settings.batch_round_seconds,
+        batch_in_flight=settings.batch_in_flight,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=settings.drain_seconds
@@ -276,6 +279,7 @@ def _service(args: argparse.Namespace) -> int:
             JobStore(settings.database_url),
             replicas=_replica_table(bus, settings.topic_prefix),
             admission_wait_seconds=settings.admission_wait_seconds,
+            files_dir=settings.files_dir,
         )
         print(f"deepmesh gateway on http://{args.host}:{args.port}/v1", file=sys.stderr)
         uvicorn.run(

@@ -5,6 +5,11 @@ A step is either all prefill (chunks of prompts, within a token budget) or all d
 as soon as they finish or are aborted. When state blocks run out, the most recently
 admitted sequence is preempted: its state is dropped and it is recomputed later from
 its tokens, which gives the same result; nothing is ever truncated.
+
+Priorities (SamplingParams.priority, 0 first): a waiting request is admitted, and a chunked
+prompt continued, before any of a larger number; when blocks run out, the victim is the
+most recently admitted request of the largest number. So batch work (1) runs in what
+interactive work (0) leaves free, and gives it back as soon as interactive work needs it.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         # Sequences already admitted but with more than one token to compute (chunked prompts) first.
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=_priority):
             if budget == 0:
                 break
             if seq.num_pending <= 1 or seq not in self.running:
@@ -71,6 +76,8 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+        if any(s.params.priority for s in self.waiting):  # stable: first come first within a priority
+            self.waiting = deque(sorted(self.waiting, key=_priority))
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_schedulable, budget)
@@ -112,7 +119,7 @@ class Scheduler:
             if not victims:
                 self._preempt(seq)
                 return False
-            self._preempt(max(victims, key=lambda s: s.arrival))
+            self._preempt(max(victims, key=lambda s: (s.params.priority, s.arrival)))
         while len(seq.block_table) < self.cache.blocks_needed(num_tokens):
             seq.block_table.append(self.cache.block_allocator.allocate())
         return True
@@ -133,3 +140,7 @@ class Scheduler:
         if seq.slot is not None:
             self.cache.release_slot(seq.slot)
             seq.slot = None
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.params.priority

@@ -31,6 +31,9 @@ class SamplingParams:
     # requests reuse each other's state in this engine (its resident prefixes) only within one
     # namespace: a tenant's prompts never start from another tenant's state, nor can time it
     prefix_namespace: str = ""
+    # 0 runs first; a request of a larger number runs in what those of smaller ones leave free
+    # (batch work is 1): it is admitted after them and preempted before them
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,9 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common import metrics
 from common.api import (
     ENDPOINTS,
-    MAX_BODY_BYTES,
     BadRequest,
-    error_body,
     frame,
     parse_object,
     protocol_problem,
@@ -36,13 +35,19 @@ from common.api import (
     server_error_kind,
     tenancy_problem,
 )
-from common.bus import Bus, produce_everywhere
-from common.messages import Envelope, RequestPayload, ResultPayload
+from common.bus import Bus, MemoryBus
+from common.messages import ResultPayload
 from common.replicas import ReplicaTable
 from common.topics import Topic, topic_name
-from common.tracing import Span, SpanKind, headers_of, http_telemetry, job_span, start_span
+from common.tracing import Span, http_telemetry, job_span, start_span
 from gateway import schemas
 from gateway.admission import Admission
+from gateway.batch_api import batch_routes
+from gateway.batch_runner import BatchRunner, BatchRunnerThread
+from gateway.batches import BatchStore
+from gateway.dispatch import Dispatcher
+from gateway.files import FileStore
+from gateway.http import Refused, protocol_error, read_body
 from gateway.jobs import FINAL, JobStore
 from gateway.results import JobRecorder, ResultRouter
 
@@ -97,24 +102,6 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-async def read_body(request: Request) -> bytes:
-    """The body, or BadRequest (413) past MAX_BODY_BYTES: the rest is then read and dropped, so
-    the connection stays usable for the client's next request."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= MAX_BODY_BYTES:
-            chunks.append(chunk)
-    if size > MAX_BODY_BYTES:
-        raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
-    return b"".join(chunks)
-
-
-def protocol_error(endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    """An error in the endpoint's own format: OpenAI's for chat and responses, Anthropic's for messages."""
-    return JSONResponse(error_body(endpoint, message, kind), status_code=status)
-
-
 def queue_unavailable(endpoint: str) -> JSONResponse:
     """503 with Retry-After: nothing was accepted, so a retry is safe."""
     message = "the request queue is unavailable; retry shortly"
@@ -148,25 +135,37 @@ def create_app(
     cache_stats: Callable[[], dict] | None = None,
     replicas: ReplicaTable | None = None,
     admission_wait_seconds: float = 30.0,
+    files_dir: str = ".cache/files",
+    batch_rounds: float | None = None,
+    batch_in_flight: int = 64,
 ) -> FastAPI:
     """The API over the bus. `cache_stats`: the embedded mode's KV cache statistics, which the
     gateway then serves at GET /v1/cache/stats (distributed, the cache service serves them).
     `replicas`: the replicas' load reports, by which a call that no replica could start within
     `admission_wait_seconds` is refused with a 429 (gateway/admission.py); None: every call is
-    queued."""
+    queued. `files_dir`: uploaded and batch output files. `batch_rounds`: run the batch runner
+    in this process, a round every so many seconds (embedded; distributed, Celery runs it)."""
     admission = Admission(replicas, admission_wait_seconds) if replicas is not None else None
     results_topic = topic_name(Topic.RESULTS, topic_prefix)
     router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
     recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs)
-    requests_topic = topic_name(Topic.REQUESTS, topic_prefix)
-    prefill_topic = topic_name(Topic.PREFILL, topic_prefix)
-    decode_topic = topic_name(Topic.DECODE, topic_prefix)
+    dispatcher = Dispatcher(bus, topic_prefix)
+    files = FileStore(jobs.session, files_dir) if jobs is not None else None
+    batches = BatchStore(jobs.session) if jobs is not None else None
+    stop_batches = threading.Event()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(router.start)
         recorder.start()
+        if batch_rounds is not None:
+            # the in-process bus keeps nothing across a restart: the runner sends again what was in it
+            runner = BatchRunner(
+                jobs, files, dispatcher.send, dispatcher.cancel, batch_in_flight, resend_sent=isinstance(bus, MemoryBus)
+            )
+            BatchRunnerThread(runner, batch_rounds, stop_batches).start()
         yield
+        stop_batches.set()
         await asyncio.to_thread(recorder.stop)
         await asyncio.to_thread(router.stop)
 
@@ -182,6 +181,10 @@ def create_app(
         response = protocol_error(endpoint_of(request), err.status_code, str(err.detail), kind)
         response.headers.update(err.headers or {})
         return response
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, err: Refused) -> JSONResponse:
+        return err.response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception) -> JSONResponse:
@@ -216,15 +219,20 @@ def create_app(
             return protocol_error(endpoint, 400, problem)
         return {"tenant": tenant or "default", "retention": retention}
 
+    def tenant_of(request: Request, shape: str) -> str:
+        """The caller's tenant (the X-DeepMesh-Tenant header; "default" without one), or Refused."""
+        tenant = request.headers.get("x-deepmesh-tenant")
+        if problem := tenancy_problem(tenant, None):
+            raise Refused(protocol_error(shape, 400, problem))
+        return tenant or "default"
+
+    app.include_router(batch_routes(files, batches, tenant_of))
+
     async def enqueue(job_id: str, endpoint: str, body: dict, parent: Span, options: dict) -> None:
-        payload = RequestPayload(endpoint=endpoint, body=body, **options).model_dump()
-        message = Envelope(type="request", job_id=job_id, payload=payload)
-        with job_span("send requests", job_id, parent, SpanKind.PRODUCER) as span:
-            headers = headers_of(span)
-            try:
-                await asyncio.to_thread(bus.produce, requests_topic, job_id, message.encode(), headers)
-            except Exception as err:  # kafka-python's errors, a timeout: the broker did not take it
-                raise QueueUnavailable(str(err)) from err
+        try:
+            await asyncio.to_thread(dispatcher.send, job_id, endpoint, body, options, parent)
+        except Exception as err:  # kafka-python's errors, a timeout: the broker did not take it
+            raise QueueUnavailable(str(err)) from err
 
     async def serve(endpoint: str, request: Request) -> Response:
         call = _Call.begin(endpoint)
@@ -237,18 +245,9 @@ def create_app(
             call.end(response.status_code)
         return response
 
-    def cancel_everywhere(job_id: str, parent: Span | None) -> None:
-        """Tell prefill and decode to drop a job and free its state, wherever it is: queued (a
-        cancel that comes first is remembered), prefilling or decoding. Blocking: on a thread."""
-        cancel = Envelope(type="cancel", job_id=job_id).encode()
-        with job_span("cancel job", job_id, parent) as span:
-            headers = headers_of(span)
-            for topic in (prefill_topic, decode_topic):  # every replica: a router chose one
-                produce_everywhere(bus, topic, job_id, cancel, headers)
-
     def cancel_soon(job_id: str, parent: Span) -> None:
-        """cancel_everywhere without waiting for it: usable where the call itself is being cancelled."""
-        asyncio.get_running_loop().run_in_executor(None, cancel_everywhere, job_id, parent)
+        """Cancel the job without waiting: usable where the call itself is being cancelled."""
+        asyncio.get_running_loop().run_in_executor(None, dispatcher.cancel, job_id, parent)
 
     async def next_result(queue: asyncio.Queue, gone: asyncio.Task) -> ResultPayload:
         """The job's next results message; ClientGone if the client leaves first, TimeoutError
@@ -374,7 +373,7 @@ def create_app(
         if job is None:
             return protocol_error("jobs", 404, f"no job {job_id}", "not_found_error")
         if job.status == "cancelled":
-            await asyncio.to_thread(cancel_everywhere, job_id, None)
+            await asyncio.to_thread(dispatcher.cancel, job_id, None)
         return JSONResponse(job.to_api())
 
     @app.get("/v1/jobs/{job_id}/events")

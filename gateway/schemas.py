@@ -27,6 +27,11 @@ SOURCES = {
     "responses": ("ResponsesRequest", "openai.types.responses.response_create_params:ResponseCreateParamsBase"),
     "messages": ("MessagesRequest", "anthropic.types.message_create_params:MessageCreateParamsBase"),
 }
+# the batch endpoints' bodies, from the same SDKs
+BATCH_SOURCES = {
+    "batches": ("BatchCreateRequest", "openai.types.batch_create_params:BatchCreateParams"),
+    "messages.batches": ("MessageBatchCreateRequest", "anthropic.types.messages.batch_create_params:BatchCreateParams"),
+}
 JOB_REQUEST = {
     "type": "object",
     "required": ["endpoint", "body"],
@@ -45,7 +50,7 @@ def generate() -> dict[str, Any]:
     from pydantic import TypeAdapter
 
     components: dict[str, Any] = {}
-    for name, source in SOURCES.values():
+    for name, source in [*SOURCES.values(), *BATCH_SOURCES.values()]:
         module, _, attribute = source.partition(":")
         request_type = getattr(importlib.import_module(module), attribute)
         schema = TypeAdapter(request_type).json_schema(ref_template=f"#/components/schemas/{name}.{{model}}")

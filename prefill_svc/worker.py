@@ -24,6 +24,7 @@ from common import metrics
 from common.api import error_body
 from common.bus import Bus, Record
 from common.messages import (
+    ENGINE_PRIORITY,
     BadMessage,
     DecodePayload,
     Envelope,
@@ -147,6 +148,7 @@ class PrefillWorker(EngineWorker):
                 seed=sampling.seed,
                 keep_final_state=True,  # a job done at its first token still leaves its prompt's state
                 prefix_namespace=payload.tenant,
+                priority=ENGINE_PRIORITY[payload.priority],
             )
             prompt_tokens = len(payload.prompt_token_ids)
             parent = context_of(record.headers)
@@ -369,6 +371,7 @@ class PrefillWorker(EngineWorker):
             cached_tokens=job.cached_tokens,
             tenant=job.payload.tenant,
             retention=job.payload.retention,
+            priority=job.payload.priority,
             prefilled_by=self.replica,
         )
         envelope = Envelope(type="decode", job_id=job_id, payload=handoff.model_dump())

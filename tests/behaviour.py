@@ -247,7 +247,7 @@ class RawConnection:
 
 def protocol_error_message(path: str, body: dict) -> str:
     """The message of an error body, asserting the endpoint's own shape."""
-    if path == "/v1/messages":
+    if path.startswith("/v1/messages"):
         assert body["type"] == "error", body
         return body["error"]["message"]
     assert set(body) == {"error"} and {"message", "type"} <= set(body["error"]), body

@@ -72,3 +72,13 @@ def test_celery_maintenance_runs_every_cache_task_on_a_schedule():
     # every scheduled name is a task a worker has registered (beat schedules names, not functions)
     scheduled = {entry["task"] for entry in app.conf.beat_schedule.values()}
     assert len(scheduled) == len(TASKS) and scheduled <= set(app.tasks)
+
+
+def test_celery_runs_the_batch_runner_on_a_schedule():
+    from gateway.batch_tasks import app
+
+    command = SERVICES["batches"]["command"]
+    assert command[:3] == ["celery", "-A", "gateway.batch_tasks"] and "--beat" in command
+    assert "redis" in SERVICES["batches"]["depends_on"]
+    scheduled = {entry["task"] for entry in app.conf.beat_schedule.values()}
+    assert scheduled == {"deepmesh.batches.advance"} and scheduled <= set(app.tasks)

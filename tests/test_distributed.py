@@ -19,6 +19,7 @@ import pytest
 
 from common.bus import KafkaBus
 from common.tracing import job_trace, read_spans
+from tests.batch_behaviour import BatchBehaviour
 from tests.behaviour import (
     MODEL,
     QUESTION,
@@ -52,6 +53,9 @@ class Cluster:
             "DEEPMESH_TRACE_EXPORTER": "jsonl",
             "DEEPMESH_TRACE_FILE": str(self.traces),
             "DEEPMESH_CLAIM_DIR": str(root / "claims"),
+            "DEEPMESH_FILES_DIR": str(root / "files"),
+            "DEEPMESH_REDIS_URL": require_service("DEEPMESH_REDIS_URL"),
+            "DEEPMESH_BATCH_ROUND_SECONDS": "0.5",
         }
         self.processes: dict[str, subprocess.Popen] = {}
         self.url = f"http://127.0.0.1:{self.gateway_port}"
@@ -64,13 +68,17 @@ class Cluster:
             extra = (*extra, "--metrics-port", str(port))
             self.decode_metrics = f"http://127.0.0.1:{port}/metrics"
         log = open(self.root / f"{name}-{len(self.processes)}.log", "w")  # noqa: SIM115 (lives with the process)
-        process = subprocess.Popen(
-            [sys.executable, "-m", "deepmesh.cli", name, *extra], env=self.env, stdout=log, stderr=subprocess.STDOUT
-        )
+        command = [sys.executable, "-m", "deepmesh.cli", name, *extra]
+        if name == "batches":  # the batch runner: Celery beat and a worker (gateway/batch_tasks.py)
+            beat = ["--beat", "--schedule", str(self.root / "beat-schedule"), "--pool", "solo"]
+            command = [sys.executable, "-m", "celery", "-A", "gateway.batch_tasks", "worker", *beat, *extra]
+        process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.processes[f"{name}-{process.pid}"] = process
         return process
 
-    def start(self, services: tuple[str, ...] = ("cache", "gateway", "tokenizer", "prefill", "decode")) -> Cluster:
+    def start(
+        self, services: tuple[str, ...] = ("cache", "gateway", "tokenizer", "prefill", "decode", "batches")
+    ) -> Cluster:
         for name in services:
             if name == "cache":
                 self.spawn("cache", "--port", str(self.cache_port), "--dir", str(self.root / "kv"))
@@ -158,6 +166,10 @@ class TestDistributedModelOutput(ModelOutputBehaviour):
     pass
 
 
+class TestDistributedBatches(BatchBehaviour):
+    pass
+
+
 def test_one_job_is_one_trace_across_the_processes(cluster):
     reply = httpx.post(
         f"{cluster.url}/v1/chat/completions",
@@ -239,3 +251,38 @@ def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(clu
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert text == one_process_answer(model, body)["choices"][0]["message"]["content"]
+
+
+def test_a_batch_survives_its_gateway_and_its_runner_being_killed(cluster):
+    """The gateway and the Celery worker running the batch SIGKILLed mid-batch and started again:
+    the batch finishes with every request answered once, as the request alone is."""
+    import io
+
+    import openai
+
+    from tests.batch_behaviour import PROMPTS, chat_line, jsonl, wait_for_batch
+    from tests.behaviour import GREEDY
+
+    oai = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=2, timeout=120)
+    lines = [chat_line(f"r{i}", PROMPTS[i % len(PROMPTS)], 8, thinking={"type": "disabled"}) for i in range(100)]
+    upload = oai.files.create(file=("r.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = oai.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for_batch(oai.batches.retrieve, batch.id, lambda b: b.request_counts and b.request_counts.completed >= 8)
+    for name, process in list(cluster.processes.items()):
+        if name.startswith(("gateway-", "batches-")) and process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=30)
+    time.sleep(2)  # results keep arriving in Kafka with nobody to record them
+    restarted = [cluster.spawn("batches"), cluster.spawn("gateway", "--port", str(cluster.gateway_port))]
+    wait_until_up(f"{cluster.url}/readyz", restarted, 180, f"see {cluster.root}")
+    batch = wait_for_batch(oai.batches.retrieve, batch.id, lambda b: b.status in ("completed", "failed"))
+    assert batch.status == "completed" and batch.request_counts.completed == 100, batch
+    output = [json.loads(x) for x in oai.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in output) == sorted(f"r{i}" for i in range(100))
+    for prompt in {PROMPTS[i % len(PROMPTS)] for i in range(100)}:
+        reply = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, **GREEDY
+        )
+        for line in output:
+            if PROMPTS[int(line["custom_id"][1:]) % len(PROMPTS)] == prompt:
+                assert line["response"]["body"]["choices"][0]["message"]["content"] == reply.choices[0].message.content

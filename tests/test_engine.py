@@ -147,3 +147,54 @@ def test_score_returns_logits_of_every_position(engine):
     first = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
     assert first == logits[-1].argmax().item()
     assert torch.allclose(engine.score(prompt[:100]), logits[:100], atol=1e-5)
+
+
+def test_interactive_requests_go_before_batch_work(tiny_model, expected):
+    """Batch work (priority 1) queued first still waits for interactive work (0) that comes
+    later. All answer as they would alone."""
+    engine = LLMEngine(tiny_model, num_blocks=6, max_num_batched_tokens=1024, max_num_seqs=2)
+    prompts = random_prompts(LENGTHS, seed=3)
+    batch = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, priority=1)
+    for name in ("batch-0", "batch-1", "batch-2"):
+        engine.add_request(name, prompts[3], batch)
+    tokens: dict[str, list[int]] = {}
+    finished: list[str] = []
+    for out in engine.step():  # two batch requests run (3 blocks each): the batch has the engine to itself
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert {s.request_id for s in engine.scheduler.running} == {"batch-0", "batch-1"}
+    engine.add_request("interactive-0", prompts[4], GREEDY)  # 520 + 24 tokens: 5 of the 6 blocks
+    engine.add_request("interactive-1", prompts[2], GREEDY)  # 129 + 24: 2 blocks
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished.append(out.request_id)
+    # the first free slots go to the interactive requests, not to batch-2 which waited longer
+    assert finished.index("interactive-0") < finished.index("batch-2")
+    assert finished.index("interactive-1") < finished.index("batch-2")
+    assert tokens["interactive-0"] == expected[520] and tokens["interactive-1"] == expected[129]
+    assert [tokens[f"batch-{i}"] for i in range(3)] == [expected[300]] * 3
+    assert _all_state_free(engine)
+
+
+def test_batch_work_gives_its_blocks_back_first(tiny_model):
+    """When a running request needs a block and none is free, the victim is batch work, even
+    when an interactive request is newer (without priorities the newest goes)."""
+    growing, short, bulk = random_prompts((120, 17, 200), seed=5)
+    reference = LLMEngine(tiny_model)
+    prompts = {"a": growing, "c": short, "b": bulk}
+    alone = {name: reference.generate([p], GREEDY)[0].token_ids for name, p in prompts.items()}
+    engine = LLMEngine(tiny_model, num_blocks=4, max_num_batched_tokens=1024)  # 1 + 1 + 2 blocks: full
+    engine.add_request("b", bulk, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, priority=1))
+    engine.add_request("c", short, GREEDY)
+    engine.add_request("a", growing, GREEDY)  # needs a second block at its 129th token
+    tokens: dict[str, list[int]] = {}
+    preempted: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for name, seq in engine.seqs.items():
+            preempted[name] = seq.num_preemptions
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert preempted["b"] >= 1 and preempted["c"] == 0 and preempted["a"] == 0
+    assert tokens == alone
+    assert _all_state_free(engine)

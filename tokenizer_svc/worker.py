@@ -116,6 +116,7 @@ class TokenizerWorker(Worker):
                 ),
                 tenant=request.tenant,
                 retention=request.retention or DEFAULT_RETENTION[request.endpoint],
+                priority=request.priority,
             )
         except ProtocolError as err:
             self._refuse(envelope.job_id, err.status_code, json.loads(err.body), span)

@@ -1,0 +1,309 @@
+"""Moving batches through their lifecycle: validate, send, follow, cancel, expire, finalise.
+
+`BatchRunner.advance` does one round of every step and may run anywhere that reaches the
+database, the files directory and the bus; every step is idempotent and reads its state from
+the database, so a runner that dies mid-round loses nothing: the next round (in a new process)
+carries on. Distributed, Celery beat schedules the round on the stack's Redis and a Celery
+worker runs it (gateway/batch_tasks.py); embedded, a thread of the serving process does.
+
+Batch work is sent at `priority="batch"`, and only as much of it at once as `in_flight` allows,
+shared fairly: the next request sent is always from the tenant with the fewest requests in
+flight, then from that tenant's batch with the fewest. The engines schedule interactive work
+first (engine/scheduler.py), so batch work fills what interactive traffic leaves free.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select, update
+
+from common.api import error_body
+from gateway.batches import (
+    CANCELED,
+    ERRORED,
+    EXPIRED,
+    OPENAI_URLS,
+    PENDING,
+    SENDING,
+    SENT,
+    SUCCEEDED,
+    Batch,
+    BatchRequest,
+    BatchStore,
+    InvalidInput,
+    openai_line,
+    parse_openai_input,
+    problem_of,
+    usage_of,
+)
+from gateway.files import FileStore
+from gateway.jobs import FINAL, Job, JobStore
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[str, str, dict[str, Any], dict[str, Any]], None]  # job id, endpoint, body, options
+Cancel = Callable[[str], None]  # job id
+RUNNING = ("in_progress", "cancelling")
+RESEND_AFTER_SECONDS = 30.0  # a request left `sending` this long was not produced (its runner died)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        jobs: JobStore,
+        files: FileStore,
+        send: Send,
+        cancel: Cancel,
+        in_flight: int = 64,
+        resend_sent: bool = False,
+    ):
+        """`resend_sent`: the first round sends again every request whose job has not ended (the
+        embedded mode's in-process bus loses what was in it when the process stopped)."""
+        self.jobs, self.files, self.send, self.cancel = jobs, files, send, cancel
+        self.batches = BatchStore(jobs.session)
+        self.session = jobs.session
+        self.in_flight = in_flight
+        self.resend_sent = resend_sent
+
+    def advance(self) -> None:
+        """One round: validate new batches, follow what runs, stop what is cancelled or expired,
+        send more, and finalise the batches with nothing left to run."""
+        if self.resend_sent:
+            self._resend(SENT, older_than=time.time())
+            self.resend_sent = False
+        self._resend(SENDING, older_than=time.time() - RESEND_AFTER_SECONDS)
+        self._validate()
+        self._follow()
+        self._stop()
+        self._send_more()
+        self._finalise()
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        with self.session() as s:
+            waiting = list(s.scalars(select(Batch).where(Batch.status == "validating")))
+        for batch in waiting:
+            path = self.files.path(batch.input_file_id or "")
+            url = next(u for u, e in OPENAI_URLS.items() if e == batch.endpoint)
+            try:
+                if not path.is_file():
+                    raise InvalidInput([{"code": "file_not_found", "message": "the input file is gone", "param": None}])
+                requests = parse_openai_input(path, url)
+            except InvalidInput as err:
+                self.batches.fail(batch.id, err.errors)
+                continue
+            self.batches.start(batch.id, requests)
+
+    def _follow(self) -> None:
+        """Requests whose jobs ended take the job's outcome."""
+        with self.session.begin() as s:
+            query = (
+                select(BatchRequest, Job.status)
+                .join(Job, Job.id == BatchRequest.job_id)
+                .where(BatchRequest.state == SENT, Job.status.in_(FINAL))
+            )
+            for request, status in s.execute(query).all():
+                request.state = {"succeeded": SUCCEEDED, "failed": ERRORED}.get(status, CANCELED)
+
+    def _stop(self) -> None:
+        """Cancelled batches and those past their window: nothing more is sent, and their jobs
+        that run are cancelled. What has finished stays in the results."""
+        now = time.time()
+        with self.session.begin() as s:
+            query = select(Batch).where(
+                Batch.status.in_(RUNNING), (Batch.status == "cancelling") | (Batch.expires_at <= now)
+            )
+            stopping = list(s.scalars(query.with_for_update()))
+            for batch in stopping:
+                if batch.status != "cancelling" and batch.expired_at is None:
+                    batch.expired_at = now
+        for batch in stopping:
+            outcome = CANCELED if batch.status == "cancelling" else EXPIRED
+            with self.session.begin() as s:
+                s.execute(
+                    update(BatchRequest)
+                    .where(BatchRequest.batch_id == batch.id, BatchRequest.state == PENDING)
+                    .values(state=outcome)
+                )
+                running = list(
+                    s.scalars(
+                        select(BatchRequest.job_id).where(
+                            BatchRequest.batch_id == batch.id, BatchRequest.state.in_((SENDING, SENT))
+                        )
+                    )
+                )
+            for job_id in running:
+                job = self.jobs.cancel(job_id)
+                if job is not None and job.status == "cancelled":
+                    self.cancel(job_id)
+            self._follow()  # the ones that finished first keep their outcome
+            with self.session.begin() as s:
+                s.execute(
+                    update(BatchRequest)
+                    .where(BatchRequest.batch_id == batch.id, BatchRequest.state.in_((SENDING, SENT)))
+                    .values(state=outcome)
+                )
+
+    def _send_more(self) -> None:
+        with self.session() as s:
+            active = {b.id: b for b in s.scalars(select(Batch).where(Batch.status == "in_progress"))}
+            if not active:
+                return
+            states = s.execute(
+                select(BatchRequest.batch_id, BatchRequest.state, BatchRequest.index)
+                .where(BatchRequest.batch_id.in_(active), BatchRequest.state.in_((PENDING, SENDING, SENT)))
+                .order_by(BatchRequest.index)
+            ).all()
+        in_flight = Counter(batch_id for batch_id, state, _ in states if state != PENDING)
+        pending: dict[str, list[int]] = {}
+        for batch_id, state, index in states:
+            if state == PENDING:
+                pending.setdefault(batch_id, []).append(index)
+        by_tenant = Counter()
+        for batch_id, count in in_flight.items():
+            by_tenant[active[batch_id].tenant] += count
+        free = self.in_flight - sum(in_flight.values())
+        chosen: list[tuple[str, int]] = []
+        while free > 0 and pending:
+            batch_id = min(pending, key=lambda b: (by_tenant[active[b].tenant], in_flight[b], active[b].created_at))
+            chosen.append((batch_id, pending[batch_id].pop(0)))
+            if not pending[batch_id]:
+                del pending[batch_id]
+            in_flight[batch_id] += 1
+            by_tenant[active[batch_id].tenant] += 1
+            free -= 1
+        if chosen:
+            self._send(chosen, active)
+
+    def _send(self, chosen: list[tuple[str, int]], batches: dict[str, Batch]) -> None:
+        """Create each request's job, mark it sending, then produce it and mark it sent: a job
+        exists before any result for it can arrive, and one whose producing was cut short is
+        sent again (RESEND_AFTER_SECONDS)."""
+        now = time.time()
+        requests: list[BatchRequest] = []
+        with self.session.begin() as s:
+            for batch_id, index in chosen:
+                request = s.get(BatchRequest, (batch_id, index), with_for_update=True)
+                if request is None or request.state != PENDING:
+                    continue  # another runner took it
+                batch = batches[batch_id]
+                if (problem := problem_of(batch.endpoint, request.body)) is not None:
+                    s.add(_failed_job(request, batch.endpoint, problem))
+                    request.state = SENT  # _follow gives it the job's outcome
+                    continue
+                job = Job(id=request.job_id, endpoint=batch.endpoint, body=request.body, status="queued")
+                job.created_at, job.event_count = now, 0
+                s.add(job)
+                request.state, request.sent_at = SENDING, now
+                requests.append(request)
+        self._produce(requests, batches)
+
+    def _produce(self, requests: list[BatchRequest], batches: dict[str, Batch]) -> None:
+        sent: list[tuple[str, int]] = []
+        try:
+            for request in requests:
+                batch = batches[request.batch_id]
+                options = {"tenant": batch.tenant, "priority": "batch"}
+                self.send(request.job_id, batch.endpoint, request.body, options)
+                sent.append((request.batch_id, request.index))
+        finally:  # what was produced is sent, even when the broker refused the rest
+            with self.session.begin() as s:
+                for key in sent:
+                    request = s.get(BatchRequest, key)
+                    if request is not None and request.state == SENDING:
+                        request.state = SENT
+
+    def _resend(self, state: str, older_than: float) -> None:
+        with self.session() as s:
+            query = (
+                select(BatchRequest)
+                .join(Job, Job.id == BatchRequest.job_id)
+                .where(BatchRequest.state == state, BatchRequest.sent_at < older_than, Job.status.not_in(FINAL))
+            )
+            requests = list(s.scalars(query))
+            batches = {b.id: b for b in s.scalars(select(Batch).where(Batch.id.in_({r.batch_id for r in requests})))}
+        if requests:
+            log.warning("sending %d batch requests again", len(requests))
+            with self.session.begin() as s:
+                for request in requests:
+                    s.get(BatchRequest, (request.batch_id, request.index)).state = SENDING
+            self._produce(requests, batches)
+
+    def _finalise(self) -> None:
+        """Batches with nothing left to run: write OpenAI's output and error files, add up the
+        usage, and end them completed, cancelled or expired."""
+        with self.session() as s:
+            candidates = list(s.scalars(select(Batch).where(Batch.status.in_(RUNNING))))
+        for batch in candidates:
+            counts = self.batches.counts(batch.id)
+            if counts.get(PENDING) or counts.get(SENDING) or counts.get(SENT):
+                continue
+            with self.session.begin() as s:
+                s.get(Batch, batch.id).finalizing_at = time.time()
+            output_id = error_id = None
+            usage = None
+            if batch.protocol == "openai":  # Anthropic's results are read from the requests themselves
+                output_id, error_id, usage = self._write_files(batch)
+            with self.session.begin() as s:
+                ended = s.get(Batch, batch.id, with_for_update=True)
+                now = time.time()
+                ended.output_file_id, ended.error_file_id, ended.usage = output_id, error_id, usage
+                if ended.status == "cancelling":
+                    ended.status, ended.cancelled_at = "cancelled", now
+                elif ended.expired_at is not None:
+                    ended.status = "expired"
+                else:
+                    ended.status, ended.completed_at = "completed", now
+
+    def _write_files(self, batch: Batch) -> tuple[str | None, str | None, dict[str, Any]]:
+        output: list[bytes] = []
+        errors: list[bytes] = []
+        answered: list[dict[str, Any] | None] = []
+        for request, job in self.batches.results(batch.id):
+            ok, line = openai_line(request, job, batch.endpoint)
+            (output if ok else errors).append(line)
+            if ok and job is not None:
+                answered.append(job.result)
+        output_id = self.files.write(batch.tenant, "batch_output", f"{batch.id}_output.jsonl", output).id
+        error_id = (
+            self.files.write(batch.tenant, "batch_output", f"{batch.id}_error.jsonl", errors).id if errors else None
+        )
+        return output_id, error_id, usage_of(answered)
+
+
+def _failed_job(request: BatchRequest, endpoint: str, problem: str) -> Job:
+    """The job of a request that cannot run, already failed with the protocol's 400."""
+    now = time.time()
+    return Job(
+        id=request.job_id,
+        endpoint=endpoint,
+        body=request.body,
+        status="failed",
+        created_at=now,
+        finished_at=now,
+        status_code=400,
+        result=error_body(endpoint, problem),
+        event_count=0,
+    )
+
+
+class BatchRunnerThread(threading.Thread):
+    """The embedded mode's scheduler: a round every `interval` seconds."""
+
+    def __init__(self, runner: BatchRunner, interval: float, stop: threading.Event):
+        super().__init__(name="batch-runner", daemon=True)
+        self.runner, self.interval, self.stop = runner, interval, stop
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                self.runner.advance()
+            except Exception:  # the next round tries again; nothing is lost by a failed one
+                log.exception("batch round failed")

@@ -1,0 +1,34 @@
+"""What every handler of the gateway needs: bodies read within a limit, errors in the protocol's shape."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from common.api import MAX_BODY_BYTES, BadRequest, error_body
+
+
+class Refused(Exception):
+    """Raised by a dependency to answer the call with `response` (an error in the protocol's shape)."""
+
+    def __init__(self, response: JSONResponse):
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, or BadRequest (413) past `limit` bytes: the rest is then read and dropped, so
+    the connection stays usable for the client's next request."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise BadRequest(f"request body larger than {limit} bytes", 413)
+    return b"".join(chunks)
+
+
+def protocol_error(endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    """An error in the endpoint's own format: OpenAI's for chat and responses, Anthropic's for messages."""
+    return JSONResponse(error_body(endpoint, message, kind), status_code=status)
