@@ -128,6 +128,20 @@ def protocol_problem(endpoint: str, body: dict[str, Any]) -> str | None:
     return None
 
 
+def usage_counts(endpoint: str, body: dict[str, Any]) -> tuple[int, int, int]:
+    """(cached input, uncached input, output) tokens from a response's `usage`, in any of the
+    three protocols' shapes (Anthropic counts cached input apart from `input_tokens`)."""
+    usage = body.get("usage") or {}
+    if endpoint == "messages":
+        cached = usage.get("cache_read_input_tokens") or 0
+        return cached, usage.get("input_tokens") or 0, usage.get("output_tokens") or 0
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    cached = details.get("cached_tokens") or 0
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+    output = usage.get("completion_tokens", usage.get("output_tokens")) or 0
+    return cached, max(0, prompt - cached), output
+
+
 def tenancy_problem(tenant: str | None, retention_class: str | None) -> str | None:
     """Why the tenant or retention class a request names is not acceptable, or None."""
     if tenant is not None and not TENANT_PATTERN.fullmatch(tenant):

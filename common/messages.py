@@ -169,6 +169,8 @@ class JobStart(BaseModel):
 
     endpoint: Endpoint
     body: dict[str, Any]
+    tenant: TenantId = "default"  # whose usage the answer counts to
+    priority: Priority = "interactive"
 
 
 class TokensPayload(BaseModel):
@@ -189,6 +191,17 @@ class StreamEvent(BaseModel):
     data: str  # JSON
 
 
+class Usage(BaseModel):
+    """An answered job's usage as DeepSeek bills it: input from the cache, input computed, output."""
+
+    tenant: TenantId = "default"
+    model: str
+    priority: Priority = "interactive"
+    cached_input_tokens: int = Field(ge=0)
+    uncached_input_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0)
+
+
 class ResultPayload(BaseModel):
     """`results`: protocol events of one job, the envelope's seq being the index of the first; the
     last message has done=True and the complete response body (or the error status and body)."""
@@ -198,3 +211,4 @@ class ResultPayload(BaseModel):
     status: int = 200
     body: dict[str, Any] | None = None
     done_data: str | None = None  # the protocol's final SSE data (Chat Completions' [DONE])
+    usage: Usage | None = None  # the last message of an answered job: what it counts to (the usage ledger)

@@ -100,6 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
     replicas.add_argument("--seconds", type=float, default=2.0, help="how long to listen for reports (default 2)")
     replicas.set_defaults(run=_replicas)
 
+    keys = commands.add_parser("keys", help="API keys (in DEEPMESH_DATABASE_URL): create, list, revoke")
+    key_actions = keys.add_subparsers(dest="action", required=True)
+    create = key_actions.add_parser("create", help="a new key for a tenant; its secret is printed once")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute (default: no limit)")
+    create.add_argument("--tpm", type=int, default=None, help="tokens per minute, input + output (default: no limit)")
+    key_actions.add_parser("list", help="every key: id, tenant, limits, created, revoked")
+    revoke = key_actions.add_parser("revoke", help="revoke a key by its id (key_...)")
+    revoke.add_argument("key_id")
+    keys.set_defaults(run=_keys)
+
+    usage = commands.add_parser("usage", help="usage of every tenant per model, day and priority (a table)")
+    usage.add_argument("--start", default=None, help="first day, YYYY-MM-DD (default: today, UTC)")
+    usage.add_argument("--end", default=None, help="last day, YYYY-MM-DD (default: today, UTC)")
+    usage.set_defaults(run=_usage)
+
     show = commands.add_parser("trace", help="print a job's trace as a span tree, from the JSON-lines trace file")
     show.add_argument("job_id")
     show.add_argument("--file", type=Path, default=None, help="trace file (default: DEEPMESH_TRACE_FILE)")
@@ -202,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         files_dir=settings.files_dir,
         batch_rounds=settings.batch_round_seconds,
         batch_in_flight=settings.batch_in_flight,
+        require_keys=_keys_required(settings, args.host),
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=settings.drain_seconds
@@ -233,6 +250,17 @@ def _serve(args: argparse.Namespace) -> int:
         http.join(timeout=settings.drain_seconds + 5)
         mesh.stop()
     return 0
+
+
+def _keys_required(settings, host: str) -> bool:
+    """API keys are required when the gateway listens beyond this machine, or when set so."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return settings.require_keys or not loopback
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -271,6 +299,7 @@ def _service(args: argparse.Namespace) -> int:
     if args.command == "gateway":
         from gateway.app import create_app
         from gateway.jobs import JobStore
+        from gateway.quotas import RedisQuotas
 
         app = create_app(
             bus,
@@ -280,6 +309,8 @@ def _service(args: argparse.Namespace) -> int:
             replicas=_replica_table(bus, settings.topic_prefix),
             admission_wait_seconds=settings.admission_wait_seconds,
             files_dir=settings.files_dir,
+            require_keys=_keys_required(settings, args.host),
+            quotas=RedisQuotas(settings.redis_url, settings.topic_prefix),
         )
         print(f"deepmesh gateway on http://{args.host}:{args.port}/v1", file=sys.stderr)
         uvicorn.run(
@@ -299,6 +330,54 @@ def _service(args: argparse.Namespace) -> int:
     print(f"deepmesh {args.command} worker running", file=sys.stderr)
     worker.run(stop)
     bus.close()
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from common.api import TENANT_PATTERN
+    from common.settings import Settings
+    from gateway.keys import KeyStore
+
+    store = KeyStore.open(Settings().database_url)
+    if args.action == "create":
+        if not TENANT_PATTERN.fullmatch(args.tenant):
+            raise ValueError("the tenant is 1 to 64 letters, digits, '.', '_' or '-'")
+        for name in ("rpm", "tpm"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be at least 1")
+        key, secret = store.create(args.tenant, args.rpm, args.tpm)
+        print(f"created {key.id} for tenant {key.tenant}; the key (shown once, keep it):", file=sys.stderr)
+        print(secret)
+        return 0
+    if args.action == "revoke":
+        if store.revoke(args.key_id) is None:
+            raise ValueError(f"no key {args.key_id}")
+        print(f"revoked {args.key_id}")
+        return 0
+    print(f"{'id':<22} {'tenant':<24} {'rpm':>8} {'tpm':>10}  {'created (UTC)':<19}  revoked")
+    for key in store.list():
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(key.created_at))
+        revoked = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(key.revoked_at)) if key.revoked_at else ""
+        rpm, tpm = key.rpm or "-", key.tpm or "-"
+        print(f"{key.id:<22} {key.tenant:<24} {rpm:>8} {tpm:>10}  {created:<19}  {revoked}")
+    return 0
+
+
+def _usage(args: argparse.Namespace) -> int:
+    from common.database import open_database
+    from common.settings import Settings
+    from gateway.jobs import MIGRATIONS
+    from gateway.ledger import Ledger, day_of
+
+    today = day_of(time.time())
+    rows = Ledger(open_database(Settings().database_url, MIGRATIONS)[1]).report(args.start or today, args.end or today)
+    header = f"{'tenant':<20} {'model':<20} {'day':<10} {'priority':<11} {'requests':>9} {'cached in':>11}"
+    print(header + f" {'uncached in':>11} {'output':>11}")
+    for r in rows:
+        print(
+            f"{r['tenant']:<20} {r['model']:<20} {r['day']:<10} {r['priority']:<11} {r['requests']:>9,} "
+            f"{r['cached_input_tokens']:>11,} {r['uncached_input_tokens']:>11,} {r['output_tokens']:>11,}"
+        )
     return 0
 
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -49,6 +49,9 @@ from gateway.dispatch import Dispatcher
 from gateway.files import FileStore
 from gateway.http import Refused, protocol_error, read_body
 from gateway.jobs import FINAL, JobStore
+from gateway.keys import KeyStore
+from gateway.ledger import Ledger, day_of
+from gateway.quotas import Decision, MemoryQuotas, RedisQuotas, estimate_tokens
 from gateway.results import JobRecorder, ResultRouter
 
 JSON_MEDIA_TYPE = re.compile(r"application/(.+\+)?json", re.IGNORECASE)
@@ -86,6 +89,11 @@ class _Call:
         metrics.REQUEST_SECONDS.labels(self.endpoint).observe(time.perf_counter() - self.started)
         self.span.set_attribute("http.response.status_code", status)
         self.span.end()
+
+
+def endpoint_of(request: Request) -> str:
+    """Whose error shape a call gets: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    return "messages" if request.url.path.startswith("/v1/messages") else "chat.completions"
 
 
 class QueueUnavailable(Exception):
@@ -138,13 +146,17 @@ def create_app(
     files_dir: str = ".cache/files",
     batch_rounds: float | None = None,
     batch_in_flight: int = 64,
+    require_keys: bool = False,
+    quotas: MemoryQuotas | RedisQuotas | None = None,
 ) -> FastAPI:
     """The API over the bus. `cache_stats`: the embedded mode's KV cache statistics, which the
     gateway then serves at GET /v1/cache/stats (distributed, the cache service serves them).
     `replicas`: the replicas' load reports, by which a call that no replica could start within
     `admission_wait_seconds` is refused with a 429 (gateway/admission.py); None: every call is
     queued. `files_dir`: uploaded and batch output files. `batch_rounds`: run the batch runner
-    in this process, a round every so many seconds (embedded; distributed, Celery runs it)."""
+    in this process, a round every so many seconds (embedded; distributed, Celery runs it).
+    `require_keys`: every /v1 call needs an API key (gateway/keys.py), which decides its tenant
+    and its rate limits, counted in `quotas` (Redis across replicas; in memory by default)."""
     admission = Admission(replicas, admission_wait_seconds) if replicas is not None else None
     results_topic = topic_name(Topic.RESULTS, topic_prefix)
     router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
@@ -152,6 +164,9 @@ def create_app(
     dispatcher = Dispatcher(bus, topic_prefix)
     files = FileStore(jobs.session, files_dir) if jobs is not None else None
     batches = BatchStore(jobs.session) if jobs is not None else None
+    keys = KeyStore(jobs.session) if jobs is not None else None
+    recorder.ledger = ledger = Ledger(jobs.session) if jobs is not None else None
+    quotas = quotas if quotas is not None else MemoryQuotas()
     stop_batches = threading.Event()
 
     @asynccontextmanager
@@ -169,10 +184,34 @@ def create_app(
         await asyncio.to_thread(recorder.stop)
         await asyncio.to_thread(router.stop)
 
-    app = FastAPI(title="deepmesh", version="0.1.0", lifespan=lifespan, telemetry=http_telemetry())
+    def authenticate(request: Request) -> None:
+        """Every /v1 call: with keys required, the key in `Authorization: Bearer KEY` (OpenAI)
+        or `x-api-key: KEY` (Anthropic) must be one of ours and not revoked; it decides the
+        call's tenant and rate limits. Without, keys are not read (clients send placeholders)."""
+        request.state.key = None
+        if not require_keys or not request.url.path.startswith("/v1/"):
+            return
+        shape = endpoint_of(request)
+        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+        secret = request.headers.get("x-api-key") or (token.strip() if scheme.lower() == "bearer" else "")
+        unauthorized = "authentication_error" if shape == "messages" else "invalid_request_error"
+        if not secret:
+            message = "an API key is required: send Authorization: Bearer KEY or x-api-key: KEY"
+            raise Refused(protocol_error(shape, 401, message, unauthorized))
+        key = keys.lookup(secret)
+        if key is None:
+            raise Refused(protocol_error(shape, 401, "invalid API key", unauthorized))
+        if key.revoked_at is not None:
+            raise Refused(protocol_error(shape, 403, "this API key has been revoked", "permission_error"))
+        request.state.key = key
 
-    def endpoint_of(request: Request) -> str:
-        return "messages" if request.url.path.startswith("/v1/messages") else "chat.completions"
+    app = FastAPI(
+        title="deepmesh",
+        version="0.1.0",
+        lifespan=lifespan,
+        telemetry=http_telemetry(),
+        dependencies=[Depends(authenticate)],
+    )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -205,8 +244,10 @@ def create_app(
     def cache_options(endpoint: str, request: Request, body: dict) -> dict | Response:
         """The tenant and retention class the request names, or the protocol's error. The class
         comes from the X-DeepMesh-Retention header or the body's `"deepmesh": {"retention": ...}`
-        (taken out of the body: it is not part of the protocol)."""
+        (taken out of the body: it is not part of the protocol). A call with an API key is its tenant's."""
         tenant, retention = request.headers.get("x-deepmesh-tenant"), request.headers.get("x-deepmesh-retention")
+        if request.state.key is not None:
+            tenant = request.state.key.tenant
         extension = body.pop("deepmesh", None)
         if extension is not None:
             if not isinstance(extension, dict) or set(extension) - {"retention"}:
@@ -220,13 +261,44 @@ def create_app(
         return {"tenant": tenant or "default", "retention": retention}
 
     def tenant_of(request: Request, shape: str) -> str:
-        """The caller's tenant (the X-DeepMesh-Tenant header; "default" without one), or Refused."""
+        """The caller's tenant (its API key's; else the X-DeepMesh-Tenant header; "default"
+        without one), or Refused."""
+        if request.state.key is not None:
+            return request.state.key.tenant
         tenant = request.headers.get("x-deepmesh-tenant")
         if problem := tenancy_problem(tenant, None):
             raise Refused(protocol_error(shape, 400, problem))
         return tenant or "default"
 
     app.include_router(batch_routes(files, batches, tenant_of))
+
+    async def take_quota(request: Request, endpoint: str, body: dict) -> Decision | Response | None:
+        """Count the call against its API key's limits: the decision, a 429 in the protocol's
+        shape with the rate-limit headers, or None (no key, or a key without limits)."""
+        key = request.state.key
+        if key is None or (key.rpm is None and key.tpm is None):
+            return None
+        tokens = estimate_tokens(int(request.headers.get("content-length") or 0), body)
+        decision = await asyncio.to_thread(quotas.admit, key.id, key.rpm, key.tpm, tokens)
+        request.state.quota = (decision, tokens)
+        if decision.admitted:
+            return decision
+        message = f"this API key's rate limit is reached; retry in {decision.headers(False)['retry-after']} s"
+        response = protocol_error(endpoint, 429, message, "rate_limit_error")
+        response.headers.update(decision.headers(endpoint == "messages"))
+        return response
+
+    def settle_quota(request: Request, result: ResultPayload) -> None:
+        """Correct the minute a call was counted in to the tokens it used (estimated until now)."""
+        taken = getattr(request.state, "quota", None)
+        if taken is None or result.usage is None:
+            return
+        decision, estimate = taken
+        usage = result.usage
+        used = usage.cached_input_tokens + usage.uncached_input_tokens + usage.output_tokens
+        asyncio.get_running_loop().run_in_executor(
+            None, quotas.settle, request.state.key.id, decision.window, used - estimate
+        )
 
     async def enqueue(job_id: str, endpoint: str, body: dict, parent: Span, options: dict) -> None:
         try:
@@ -243,6 +315,9 @@ def create_app(
             raise
         if not isinstance(response, StreamingResponse):
             call.end(response.status_code)
+        taken = getattr(request.state, "quota", None)
+        if taken is not None and response.status_code != 429:
+            response.headers.update(taken[0].headers(endpoint == "messages"))
         return response
 
     def cancel_soon(job_id: str, parent: Span) -> None:
@@ -272,6 +347,8 @@ def create_app(
         size = int(request.headers.get("content-length") or 0)
         if admission is not None and (retry_after := admission.retry_after(size)) is not None:
             return too_busy(endpoint, retry_after)
+        if isinstance(quota := await take_quota(request, endpoint, body), Response):
+            return quota
         queue = router.watch(job_id)
         gone = asyncio.create_task(client_gone(request))
         streaming = False
@@ -284,12 +361,13 @@ def create_app(
             if body.get("stream"):
                 streaming = True  # from here the stream watches the client (Starlette) and owns the job
                 return StreamingResponse(
-                    sse(call, result, queue),
+                    sse(call, result, queue, request),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             while not result.done:
                 result = queue.get_nowait() if not queue.empty() else await next_result(queue, gone)
+            settle_quota(request, result)
             return JSONResponse(result.body, status_code=result.status)
         except QueueUnavailable:
             return queue_unavailable(endpoint)
@@ -304,7 +382,7 @@ def create_app(
             if not streaming:
                 router.forget(job_id)
 
-    async def sse(call: _Call, result: ResultPayload, queue: asyncio.Queue) -> AsyncIterator[bytes]:
+    async def sse(call: _Call, result: ResultPayload, queue: asyncio.Queue, request: Request) -> AsyncIterator[bytes]:
         """Events as they arrive, each `event:` (when the protocol names it) and `data:`; what
         arrived together goes out in one write. A client that leaves mid-stream cancels the job."""
         arrived = [result]
@@ -312,6 +390,7 @@ def create_app(
             while True:
                 yield result_frames(arrived)
                 if arrived[-1].done:
+                    settle_quota(request, arrived[-1])
                     return
                 arrived = [await asyncio.wait_for(queue.get(), timeout=result_timeout)]
                 while not arrived[-1].done and not queue.empty():
@@ -349,6 +428,8 @@ def create_app(
             return options
         if problem := protocol_problem(endpoint, body):
             return protocol_error("jobs", 400, problem)
+        if isinstance(quota := await take_quota(request, "jobs", body), Response):
+            return quota
         job_id = uuid.uuid4().hex
         with job_span("submit job", job_id, **{"deepmesh.endpoint": endpoint}) as span:
             job = await asyncio.to_thread(jobs.create, job_id, endpoint, {**body, "stream": False})
@@ -403,6 +484,18 @@ def create_app(
         @app.get("/v1/cache/stats")
         async def stats_of_the_cache() -> dict:
             return await asyncio.to_thread(cache_stats)
+
+    @app.get("/v1/usage")
+    async def usage(request: Request, start: str | None = None, end: str | None = None) -> Response:
+        """The caller's tenant's usage per model, day (UTC) and priority, from `start` to `end`
+        (YYYY-MM-DD, inclusive; both default to today)."""
+        tenant = tenant_of(request, "jobs")
+        today = day_of(time.time())
+        start, end = start or today, end or today
+        if not all(re.fullmatch(r"\d{4}-\d{2}-\d{2}", day) for day in (start, end)):
+            return protocol_error("jobs", 400, "start and end are days: YYYY-MM-DD")
+        rows = await asyncio.to_thread(ledger.report, start, end, tenant)
+        return JSONResponse({"object": "list", "tenant": tenant, "start": start, "end": end, "data": rows})
 
     @app.get("/v1/models")
     async def models() -> dict:

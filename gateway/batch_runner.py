@@ -275,7 +275,7 @@ class BatchRunner:
         error_id = (
             self.files.write(batch.tenant, "batch_output", f"{batch.id}_error.jsonl", errors).id if errors else None
         )
-        return output_id, error_id, usage_of(answered)
+        return output_id, error_id, usage_of(batch.endpoint, answered)
 
 
 def _failed_job(request: BatchRequest, endpoint: str, problem: str) -> Job:

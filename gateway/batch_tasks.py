@@ -12,14 +12,19 @@ takes each request under a row lock), but one is enough.
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 
 from celery import Celery
+from celery.signals import celeryd_init
+from celery.signals import setup_logging as logging_signal
 
 from common.bus import KafkaBus
 from common.claims import ClaimStore
+from common.logs import setup_logging
 from common.settings import Settings
 from common.topics import create_all
+from common.tracing import setup_tracing
 from gateway.batch_runner import BatchRunner
 from gateway.dispatch import Dispatcher
 from gateway.files import FileStore
@@ -37,6 +42,20 @@ app.conf.update(
     task_time_limit=300,
     task_default_expires=settings.batch_round_seconds * 5,
 )
+
+
+@celeryd_init.connect
+def observe(**_) -> None:
+    """The worker logs as every service does (JSON lines, from before its start-up checks warn),
+    and the batch requests it sends start their traces."""
+    setup_logging("batches", settings.log_level, settings.log_format)
+    logging.captureWarnings(True)
+    setup_tracing("batches", settings.trace_exporter, settings.trace_file)
+
+
+@logging_signal.connect
+def keep_our_logging(**_) -> None:
+    """Connected, so that Celery leaves the logging set up above as it is."""
 
 
 @cache

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import JSON, Float, ForeignKey, Integer, String, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
-from common.api import MAX_BODY_BYTES, BadRequest, error_body, protocol_problem
+from common.api import MAX_BODY_BYTES, BadRequest, error_body, protocol_problem, usage_counts
 from gateway.jobs import Base, Job
 
 MAX_REQUESTS = 50_000
@@ -425,19 +425,16 @@ def problem_of(endpoint: str, body: dict[str, Any]) -> str | None:
     return protocol_problem(endpoint, body)
 
 
-def usage_of(results: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """OpenAI's batch `usage`: the sum over the answered requests of both endpoints' usage shapes."""
-    input_tokens = cached = output_tokens = 0
+def usage_of(endpoint: str, results: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """OpenAI's batch `usage`: the sum over the answered requests."""
+    cached = uncached = output = 0
     for body in results:
-        usage = (body or {}).get("usage") or {}
-        input_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
-        output_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
-        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        cached += details.get("cached_tokens", 0) or 0
+        c, u, o = usage_counts(endpoint, body or {})
+        cached, uncached, output = cached + c, uncached + u, output + o
     return {
-        "input_tokens": input_tokens,
+        "input_tokens": cached + uncached,
         "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": output_tokens,
+        "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": input_tokens + output_tokens,
+        "total_tokens": cached + uncached + output,
     }

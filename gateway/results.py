@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 from common.bus import Bus, Record
 from common.job_streams import StreamCursor
-from common.messages import Envelope, ResultPayload, decode
+from common.messages import Envelope, ResultPayload, Usage, decode
 from common.worker import Watermarks
 from gateway.jobs import JobStore
+from gateway.ledger import Ledger
 
 Delivery = tuple[asyncio.Queue, ResultPayload]
 log = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class JobRecorder:
     # messages that start past the events stored so far, until the ones before them arrive
     _ahead: dict[str, list[tuple[Record, Envelope, ResultPayload]]] = field(default_factory=dict)
     watermarks: Watermarks = field(default_factory=Watermarks)  # a held message's record stays uncommitted
+    ledger: Ledger | None = None  # where every answered job's usage goes (sync calls' too)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="job-recorder", daemon=True)
@@ -168,13 +170,19 @@ class JobRecorder:
             consumer.close()
 
     def record(self, records: list[Record]) -> None:
+        answered: list[tuple[str, Usage]] = []
         for record in records:
             self.watermarks.seen(record)
             read = read_result(record)
-            if read is None or read[0].job_id in self._ignored:
+            if read is None:
                 continue
             envelope, result = read
-            self._store(record, envelope, result)
+            if result.done and result.usage is not None:
+                answered.append((envelope.job_id, result.usage))
+            if envelope.job_id not in self._ignored:
+                self._store(record, envelope, result)
+        if self.ledger is not None:
+            self.ledger.record(answered)  # before the commit: a failure reads these again
 
     def _store(self, record: Record, envelope: Envelope, result: ResultPayload) -> None:
         job_id = envelope.job_id

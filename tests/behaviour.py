@@ -158,7 +158,7 @@ def scripted_gateway(model: Path, jobs, claims: Path, **app_options) -> Iterator
     app = create_app(bus, prefix, [MODEL], jobs, **app_options)
     try:
         with ServerThread(app) as server:
-            yield SimpleNamespace(url=server.url, app=app, stage=stage)
+            yield SimpleNamespace(url=server.url, app=app, stage=stage, bus=bus, prefix=prefix)
     finally:
         stage.stop()
         stop.set()

@@ -71,7 +71,7 @@ class Cluster:
         command = [sys.executable, "-m", "deepmesh.cli", name, *extra]
         if name == "batches":  # the batch runner: Celery beat and a worker (gateway/batch_tasks.py)
             beat = ["--beat", "--schedule", str(self.root / "beat-schedule"), "--pool", "solo"]
-            command = [sys.executable, "-m", "celery", "-A", "gateway.batch_tasks", "worker", *beat, *extra]
+            command = [sys.executable, "-m", "celery", "-A", "gateway.batch_tasks", "--quiet", "worker", *beat, *extra]
         process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.processes[f"{name}-{process.pid}"] = process
         return process

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from common.api import DEFAULT_RETENTION, error_body, response_id, server_error_kind
+from common.api import DEFAULT_RETENTION, error_body, response_id, server_error_kind, usage_counts
 from common.bus import Bus, Record
 from common.job_streams import StreamCursor
 from common.messages import (
@@ -27,6 +27,7 @@ from common.messages import (
     Sampling,
     StreamEvent,
     TokensPayload,
+    Usage,
     decode,
     payload_of,
 )
@@ -46,6 +47,8 @@ class _Job:
     tokens: StreamCursor[TokensPayload] = field(default_factory=StreamCursor)  # the token ids taken so far
     events_sent: int = 0  # events in the results messages so far: the next one's seq
     started: bool = False  # the response's opening events are out (with the prompt's token counts)
+    tenant: str = "default"
+    priority: str = "interactive"
 
 
 class TokenizerWorker(Worker):
@@ -125,7 +128,7 @@ class TokenizerWorker(Worker):
             self._refuse(envelope.job_id, 400, error_body(request.endpoint, str(err)), span)
             return
         span.set_attribute("deepmesh.prompt_tokens", len(prompt.token_ids))
-        start = JobStart(endpoint=request.endpoint, body=request.body)
+        start = JobStart(endpoint=request.endpoint, body=request.body, tenant=request.tenant, priority=request.priority)
         # first the start, then the job: its tokens, which come after the prefill, find it there
         self.hop(Topic.TOKENS, Envelope(type="start", job_id=envelope.job_id, payload=start.model_dump()), span)
         message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
@@ -203,21 +206,35 @@ class TokenizerWorker(Worker):
             for topic in (Topic.PREFILL, Topic.DECODE):
                 self.cancel_everywhere(topic, job_id)
             raise OutputFailed(job_id, start.endpoint, err) from err
-        self.jobs[job_id] = _Job(output, span, headers_of(span))
+        self.jobs[job_id] = _Job(output, span, headers_of(span), tenant=start.tenant, priority=start.priority)
         self.watermarks.hold(record, job_id)
 
     def _result(self, job_id: str, events: list[Event], done: bool) -> tuple[Envelope, dict[str, bytes]]:
         """The job's next results message, carrying these events: its seq is the index of the first."""
         job = self.jobs[job_id]
+        body = job.output.body() if done else None
         result = ResultPayload(
             events=[StreamEvent(name=e.name, data=e.data) for e in events],
             done=done,
-            body=job.output.body() if done else None,
+            body=body,
             done_data=job.output.done_data if done else None,
+            usage=self._usage(job, body) if body is not None else None,
         )
         message = Envelope(type="result", job_id=job_id, seq=job.events_sent, payload=result.model_dump())
         job.events_sent += len(events)
         return message, job.headers
+
+    @staticmethod
+    def _usage(job: _Job, body: dict) -> Usage:
+        cached, uncached, output = usage_counts(job.output.endpoint, body)
+        return Usage(
+            tenant=job.tenant,
+            model=str(body.get("model", "")),
+            priority=job.priority,
+            cached_input_tokens=cached,
+            uncached_input_tokens=uncached,
+            output_tokens=output,
+        )
 
     def _error(self, job_id: str, result: ResultPayload) -> tuple[Envelope, dict[str, bytes]]:
         """The last results message of a job whose output failed: after the events it has sent
