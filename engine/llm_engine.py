@@ -30,6 +30,7 @@ class LLMEngine:
         *,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
+        max_low_priority_tokens: int = 256,
         max_model_len: int | None = None,
         num_blocks: int | None = None,
         state_memory_bytes: int = 4 << 30,
@@ -39,6 +40,8 @@ class LLMEngine:
     ):
         """`weights` names the checkpoint (loader.weights_id): part of the state layout, so that
         state is only ever shared between engines running the same weights.
+        `max_low_priority_tokens`: the most tokens a prefill step gives to requests of priority > 0
+        (batch work), so that an interactive request arriving meanwhile waits for a short step.
         `resident_prefix_bytes`: how much slot state the resident prefixes may copy (their blocks
         cost nothing: they are free blocks not yet reused; engine/resident_prefixes.py)."""
         self.model = model
@@ -60,7 +63,7 @@ class LLMEngine:
             )
             num_blocks = max(1, min(wanted, affordable))
         self.cache = StateCache(self.config, num_blocks, max_num_seqs, self.dtype, self.device)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_low_priority_tokens)
         self.resident = ResidentPrefixes(resident_prefix_bytes)
         self.cache.block_allocator.on_reuse = self.resident.block_reused
         self.sampler = Sampler()

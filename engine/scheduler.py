@@ -8,7 +8,10 @@ its tokens, which gives the same result; nothing is ever truncated.
 
 Priorities (SamplingParams.priority, 0 first): a waiting request is admitted, and a chunked
 prompt continued, before any of a larger number; when blocks run out, the victim is the
-most recently admitted request of the largest number. So batch work (1) runs in what
+most recently admitted request of the largest number. A prefill step with priority-0 work
+in it takes nothing else, and one without takes at most `max_low_priority_tokens` tokens, so
+that priority-0 work arriving meanwhile waits for a short step only; while priority-0
+requests decode, such steps alternate with decode steps. So batch work (1) runs in what
 interactive work (0) leaves free, and gives it back as soon as interactive work needs it.
 """
 
@@ -29,10 +32,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self, cache: StateCache, max_num_seqs: int, max_num_batched_tokens: int, max_low_priority_tokens: int = 256
+    ):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_low_priority_tokens = max_low_priority_tokens
+        self._low_prefill_last = False  # the last step prefilled priority > 0 work only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,30 +65,48 @@ class Scheduler:
         self._release(seq)
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        if self._low_prefill_last and any(s.params.priority == 0 and s.num_pending == 1 for s in self.running):
+            # priority-0 requests are decoding: they get a step between two low-priority prefill steps
+            step = self._schedule_decode()
+        else:
+            step = self._schedule_prefill() or self._schedule_decode()
+        self._low_prefill_last = step is not None and step.is_prefill and all(s.params.priority for s in step.seqs)
+        return step
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
+        low_budget = self.max_low_priority_tokens
+        # priority-0 work to prefill: the step takes no other
+        urgent = any(s.params.priority == 0 for s in self.waiting) or any(
+            s.params.priority == 0 and s.num_pending > 1 for s in self.running
+        )
         seqs: list[Sequence] = []
         counts: list[int] = []
+
+        def allowed(seq: Sequence) -> int:
+            if seq.params.priority == 0:
+                return budget
+            return 0 if urgent else min(budget, low_budget)
+
         # Sequences already admitted but with more than one token to compute (chunked prompts) first.
         for seq in sorted(self.running, key=_priority):
             if budget == 0:
                 break
             if seq.num_pending <= 1 or seq not in self.running:
                 continue
-            n = min(seq.num_schedulable, budget)
-            if not self._reserve(seq, seq.num_computed + n, protect=seqs):
+            n = min(seq.num_schedulable, allowed(seq))
+            if n == 0 or not self._reserve(seq, seq.num_computed + n, protect=seqs):
                 break
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            low_budget -= n * (seq.params.priority > 0)
         if any(s.params.priority for s in self.waiting):  # stable: first come first within a priority
             self.waiting = deque(sorted(self.waiting, key=_priority))
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_schedulable, budget)
-            if self.cache.num_free_slots == 0 or not self._fits(seq.num_computed + n, seq):
+            n = min(seq.num_schedulable, allowed(seq))
+            if n == 0 or self.cache.num_free_slots == 0 or not self._fits(seq.num_computed + n, seq):
                 break
             self.waiting.popleft()
             seq.slot = self.cache.allocate_slot()
@@ -91,6 +116,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            low_budget -= n * (seq.params.priority > 0)
         return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:

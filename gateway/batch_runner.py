@@ -62,6 +62,7 @@ class BatchRunner:
         cancel: Cancel,
         in_flight: int = 64,
         resend_sent: bool = False,
+        resend_after: float = RESEND_AFTER_SECONDS,
     ):
         """`resend_sent`: the first round sends again every request whose job has not ended (the
         embedded mode's in-process bus loses what was in it when the process stopped)."""
@@ -70,6 +71,7 @@ class BatchRunner:
         self.session = jobs.session
         self.in_flight = in_flight
         self.resend_sent = resend_sent
+        self.resend_after = resend_after
 
     def advance(self) -> None:
         """One round: validate new batches, follow what runs, stop what is cancelled or expired,
@@ -77,7 +79,7 @@ class BatchRunner:
         if self.resend_sent:
             self._resend(SENT, older_than=time.time())
             self.resend_sent = False
-        self._resend(SENDING, older_than=time.time() - RESEND_AFTER_SECONDS)
+        self._resend(SENDING, older_than=time.time() - self.resend_after)
         self._validate()
         self._follow()
         self._stop()

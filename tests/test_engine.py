@@ -152,7 +152,9 @@ def test_score_returns_logits_of_every_position(engine):
 def test_interactive_requests_go_before_batch_work(tiny_model, expected):
     """Batch work (priority 1) queued first still waits for interactive work (0) that comes
     later. All answer as they would alone."""
-    engine = LLMEngine(tiny_model, num_blocks=6, max_num_batched_tokens=1024, max_num_seqs=2)
+    engine = LLMEngine(
+        tiny_model, num_blocks=6, max_num_batched_tokens=1024, max_num_seqs=2, max_low_priority_tokens=1024
+    )
     prompts = random_prompts(LENGTHS, seed=3)
     batch = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, priority=1)
     for name in ("batch-0", "batch-1", "batch-2"):
@@ -198,3 +200,32 @@ def test_batch_work_gives_its_blocks_back_first(tiny_model):
     assert preempted["b"] >= 1 and preempted["c"] == 0 and preempted["a"] == 0
     assert tokens == alone
     assert _all_state_free(engine)
+
+
+def test_a_prefill_step_with_interactive_work_takes_no_batch_work(tiny_model, expected):
+    """Batch prompts are prefilled in short steps (max_low_priority_tokens), and not at all in a
+    step that has an interactive prompt: one arriving waits for a short step only."""
+    engine = LLMEngine(tiny_model, max_num_batched_tokens=1024, max_low_priority_tokens=128)
+    prompts = random_prompts(LENGTHS, seed=3)
+    engine.add_request("batch", prompts[4], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, priority=1))
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    step()
+    assert engine.seqs["batch"].num_computed == 128
+    engine.add_request("interactive", prompts[3], GREEDY)
+    step()  # the interactive prompt alone, all 300 tokens of it
+    assert engine.seqs["batch"].num_computed == 128 and engine.seqs["interactive"].num_computed == 300
+    step()
+    assert engine.seqs["batch"].num_computed == 256  # back to the batch
+    decoded = len(tokens["interactive"])
+    step()  # the interactive request decodes between two batch prefill steps
+    assert engine.seqs["batch"].num_computed == 256 and len(tokens["interactive"]) == decoded + 1
+    step()
+    assert engine.seqs["batch"].num_computed == 384
+    while engine.has_unfinished_requests():
+        step()
+    assert tokens == {"batch": expected[520], "interactive": expected[300]}

@@ -1,0 +1,219 @@
+"""Batch work beside interactive traffic: does a large batch slow interactive calls down, and
+does interactive traffic starve the batch?
+
+One `deepmesh serve`-style process (the embedded mesh: gateway, tokenizer, prefill and decode
+over the in-process bus, the engines on the main thread, the batch runner on a thread) and,
+in a process of their own, interactive clients that open streaming chat calls at Poisson
+arrivals and time each call's first token. In the same run:
+
+1. interactive alone: `--rate` calls a second for `--seconds`;
+2. the batch alone: `--batch` requests through the OpenAI Batch API, from submission to
+   `completed`;
+3. both: the same batch submitted, then the same interactive load while it runs.
+
+Prints interactive TTFT P50/P90/P99 alone and beside the batch (target: P90 <= 1.2x), and the
+batch's throughput beside light interactive traffic against alone (target: >= 80%).
+
+    python benchmarks/priority.py [--rate 1 --seconds 30 --batch 200 --max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import multiprocessing
+import random
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import uvicorn
+
+from cache_svc.store import StateStore
+from common.bus import MemoryBus
+from common.settings import Settings
+from deepmesh.mesh import Mesh
+from engine.make_model import make_model
+from gateway.app import create_app
+from gateway.jobs import JobStore
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "deepmesh-tiny"
+WORDS = "partition broker offset replica leader follower segment index consumer producer topic log".split()  # noqa: SIM905
+
+
+def question(rng: random.Random) -> str:
+    """A prompt of its own (no two share more than the chat template): no cache hit flatters either side."""
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60)))
+
+
+def chat_body(text: str, max_tokens: int, stream: bool) -> dict:
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "thinking": {"type": "disabled"},
+        "stream": stream,
+    }
+
+
+def interactive_load(url: str, rate: float, seconds: float, seed: int, max_tokens: int) -> list[float]:
+    """Streaming calls at Poisson arrivals for `seconds`: each call's time to its first token."""
+    return asyncio.run(_interactive_load(url, rate, seconds, seed, max_tokens))
+
+
+async def _interactive_load(url: str, rate: float, seconds: float, seed: int, max_tokens: int) -> list[float]:
+    rng = random.Random(seed)
+    ttfts: list[float] = []
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as http:
+
+        async def call(body: dict) -> None:
+            sent = time.perf_counter()
+            first = None
+            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():  # read to the end: the call takes its slot till then
+                    if first is None and line.startswith("data: ") and '"content"' in line:
+                        first = time.perf_counter() - sent
+            if first is None:
+                raise RuntimeError(f"a call answered {response.status_code} without any content")
+            ttfts.append(first)
+
+        calls, began, at = [], time.perf_counter(), 0.0
+        while True:
+            at += rng.expovariate(rate)
+            if at > seconds:
+                break
+            await asyncio.sleep(max(0.0, began + at - time.perf_counter()))
+            calls.append(asyncio.create_task(call(chat_body(question(rng), max_tokens, True))))
+        await asyncio.gather(*calls)
+    return ttfts
+
+
+def run_batch(url: str, size: int, seed: int, max_tokens: int) -> tuple[float, str]:
+    """Submit a batch of `size` requests and wait for it: seconds from submission to completed."""
+    rng = random.Random(seed)
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": chat_body(question(rng), max_tokens, False),
+        }
+        for i in range(size)
+    ]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    upload = client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
+    started = time.perf_counter()
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    if batch.status != "completed" or batch.request_counts.completed != size:
+        raise RuntimeError(f"the batch ended {batch.status} with {batch.request_counts}")
+    return time.perf_counter() - started, batch.id
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=ROOT / ".cache/models/tiny")
+    parser.add_argument("--rate", type=float, default=1.0, help="interactive calls per second")
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long the interactive load lasts")
+    parser.add_argument("--batch", type=int, default=200, help="requests in the batch")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--in-flight", type=int, default=64, help="DEEPMESH_BATCH_IN_FLIGHT")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if not (args.model / "config.json").is_file():
+        make_model(args.model, "tiny", seed=0)
+    workdir = Path(tempfile.mkdtemp(prefix="deepmesh-priority-"))
+    settings = Settings(database_url=f"sqlite:///{workdir}/cache.db", cache_dir=str(workdir / "kv"))
+    bus = MemoryBus()
+    mesh = Mesh(args.model, bus, StateStore.from_settings(settings), served_model=MODEL_NAME)
+    mesh.start([mesh.tokenizer])
+    jobs = JobStore(f"sqlite:///{workdir}/jobs.db")
+    app = create_app(
+        bus,
+        "deepmesh.",
+        [MODEL_NAME],
+        jobs,
+        files_dir=str(workdir / "files"),
+        batch_rounds=0.2,
+        batch_in_flight=args.in_flight,
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    finished = threading.Event()
+    results: dict = {}
+
+    def drive() -> None:
+        try:
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+                clients.submit(time.sleep, 0).result()
+                httpx.post(f"{url}/v1/chat/completions", json=chat_body("warm up", 2, False), timeout=120)
+                load = (url, args.rate, args.seconds, args.seed, args.max_tokens)
+                print(f"1/3 interactive alone: {args.rate:g}/s for {args.seconds:g} s", flush=True)
+                results["alone"] = clients.submit(interactive_load, *load).result()
+                print(f"2/3 a batch of {args.batch} alone", flush=True)
+                results["batch_alone"], _ = run_batch(url, args.batch, args.seed + 1, args.max_tokens)
+                print("3/3 the batch and the interactive load together", flush=True)
+                together: dict = {}
+                batch = threading.Thread(
+                    target=lambda: together.setdefault(
+                        "seconds", run_batch(url, args.batch, args.seed + 2, args.max_tokens)[0]
+                    )
+                )
+                batch.start()
+                time.sleep(2.0)  # the batch is running
+                results["beside"] = clients.submit(interactive_load, *load).result()
+                batch.join()
+                results["batch_beside"] = together["seconds"]
+        finally:
+            finished.set()
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    mesh.run_engines(until=finished)
+    driver.join()
+    server.should_exit = True
+    mesh.stop()
+    jobs.close()
+
+    alone, beside = results["alone"], results["beside"]
+    print(f"\ninteractive calls: {len(alone)} alone, {len(beside)} beside the batch")
+    print(f"{'interactive TTFT':<28} {'P50':>8} {'P90':>8} {'P99':>8}")
+    for name, values in (("alone", alone), ("beside a running batch", beside)):
+        p50, p90, p99 = (percentile(values, p) for p in (50, 90, 99))
+        print(f"{name:<28} {p50:>7.3f}s {p90:>7.3f}s {p99:>7.3f}s")
+    ratio = percentile(beside, 90) / percentile(alone, 90)
+    print(f"P90 TTFT beside the batch / alone: {ratio:.2f}x (target <= 1.2x)")
+    alone_rate = args.batch / results["batch_alone"]
+    beside_rate = args.batch / results["batch_beside"]
+    print(
+        f"batch of {args.batch}: {results['batch_alone']:.1f} s alone ({alone_rate:.2f} requests/s), "
+        f"{results['batch_beside']:.1f} s beside {args.rate:g} interactive calls/s ({beside_rate:.2f} requests/s)"
+    )
+    print(f"batch throughput beside interactive traffic / alone: {beside_rate / alone_rate:.0%} (target >= 80%)")
+
+
+if __name__ == "__main__":
+    main()

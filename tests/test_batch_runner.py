@@ -1,0 +1,96 @@
+"""The batch runner's rounds on the real database, with the bus replaced by what it would send:
+fair shares between tenants and batches, requests the protocol refuses, and a round cut short
+by a broker that stops taking records."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from gateway.batch_runner import BatchRunner
+from gateway.batches import BatchStore
+from gateway.files import FileStore
+from gateway.jobs import JobStore
+from tests.infra import fresh_database
+
+PARAMS = {"model": "deepmesh-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+ANSWER = {"usage": {"input_tokens": 5, "output_tokens": 4}, "content": []}
+
+
+class Broker:
+    """Records what the runner sends; refuses from the `fail_after`-th record on when set."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, str]] = []  # (tenant, job id)
+        self.fail_after: int | None = None
+
+    def send(self, job_id: str, endpoint: str, body: dict, options: dict) -> None:
+        if self.fail_after is not None and len(self.sent) >= self.fail_after:
+            raise ConnectionError("the broker is away")
+        assert options["priority"] == "batch" and body["stream"] is False
+        self.sent.append((options["tenant"], job_id))
+
+
+@pytest.fixture
+def setup(tmp_path):
+    jobs = JobStore(fresh_database(tmp_path))
+    broker = Broker()
+    runner = BatchRunner(jobs, FileStore(jobs.session, tmp_path / "files"), broker.send, lambda job_id: None, 6)
+    yield jobs, broker, runner, BatchStore(jobs.session)
+    jobs.close()
+
+
+def answer(jobs: JobStore, job_ids: list[str]) -> None:
+    for job_id in job_ids:
+        assert jobs.record(job_id, 0, [], True, 200, ANSWER, None) == "stored"
+
+
+def requests(prefix: str, count: int) -> list[tuple[str, dict]]:
+    return [(f"{prefix}{i}", PARAMS) for i in range(count)]
+
+
+def test_tenants_share_the_requests_in_flight_and_a_tenants_batches_share_its_part(setup):
+    jobs, broker, runner, store = setup
+    first = store.create("anthropic", "acme", "messages", requests=requests("a", 100))
+    second = store.create("anthropic", "acme", "messages", requests=requests("b", 10))
+    small = store.create("anthropic", "globex", "messages", requests=requests("g", 3))
+    runner.advance()
+    assert Counter(tenant for tenant, _ in broker.sent) == {"acme": 3, "globex": 3}
+    # acme's three split between its two batches, the older one first
+    assert [store.counts(b.id).get("sent", 0) for b in (first, second)] == [2, 1]
+    answer(jobs, [job_id for _, job_id in broker.sent])
+    runner.advance()  # globex's batch is done: acme takes every free place
+    assert Counter(tenant for tenant, _ in broker.sent[6:]) == {"acme": 6}
+    assert store.counts(small.id) == {"succeeded": 3}
+    assert store.get("globex", small.id, "anthropic").status == "completed"
+
+
+def test_a_request_the_protocol_refuses_ends_errored_without_running(setup):
+    jobs, broker, runner, store = setup
+    no_max_tokens = {k: v for k, v in PARAMS.items() if k != "max_tokens"}
+    batch = store.create("anthropic", "acme", "messages", requests=[("ok", PARAMS), ("bad", no_max_tokens)])
+    runner.advance()
+    assert len(broker.sent) == 1
+    answer(jobs, [broker.sent[0][1]])
+    runner.advance()
+    assert store.counts(batch.id) == {"succeeded": 1, "errored": 1}
+    assert store.get("acme", batch.id, "anthropic").status == "completed"
+
+
+def test_requests_the_broker_did_not_take_are_sent_again(setup):
+    jobs, broker, runner, store = setup
+    batch = store.create("anthropic", "acme", "messages", requests=requests("a", 6))
+    broker.fail_after = 2
+    with pytest.raises(ConnectionError):
+        runner.advance()  # two produced, four created but not produced: `sending`
+    assert len(broker.sent) == 2 and store.counts(batch.id) == {"sent": 2, "sending": 4}
+    broker.fail_after = None
+    runner.advance()  # not yet: a `sending` request may still be on its way from another runner
+    assert len(broker.sent) == 2
+    runner.resend_after = 0
+    runner.advance()
+    assert len(broker.sent) == 6 and len({job_id for _, job_id in broker.sent}) == 6
+    answer(jobs, [job_id for _, job_id in broker.sent])
+    runner.advance()
+    assert store.counts(batch.id) == {"succeeded": 6}
