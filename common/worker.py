@@ -148,6 +148,14 @@ class Worker:
     def busy(self) -> bool:
         return False
 
+    @property
+    def urgent(self) -> bool:
+        """It holds interactive work on its way to a first token (see run_workers)."""
+        return False
+
+    def hold_low_priority(self, hold: bool) -> None:
+        """While held, its engine steps take interactive work only."""
+
     def run_once(self, timeout: float = 0.1) -> None:
         if self._consumer is None:
             self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.consumer_group)
@@ -259,6 +267,9 @@ class EngineWorker(Worker):
     engine: Any
     jobs: dict[str, Any]
     cache: Any  # engine.prefix_connector.PrefixConnector
+
+    def hold_low_priority(self, hold: bool) -> None:
+        self.engine.scheduler.hold_low_priority = hold
 
     def __init__(self, bus: Bus, topic_prefix: str, fetch_threads: int = 2, replicas: ReplicaTable | None = None):
         super().__init__(bus, topic_prefix)
@@ -397,11 +408,17 @@ def run_workers(workers: list[Worker], stop: threading.Event) -> None:
     The embedded mode runs its prefill and decode workers together this way: PyTorch on CPU
     slows down ~1.7x as soon as two threads of a process run parallel operators (each gets an
     OpenMP pool, together they oversubscribe the cores, and the pools stop spinning between
-    operators), so a process has one thread that runs engines.
+    operators), so a process has one thread that runs engines. Its turns then cross: an
+    interactive job waits for the steps of both engines at each hop (admission, prefill,
+    hand-over), which is why batch work is held while one is on its way.
     """
     try:
         while not stop.is_set():
             for worker in workers:
+                # an interactive job on its way to its first token, in any of them: every engine
+                # steps interactive work only, so that no step of batch work stands in its way
+                hold = len(workers) > 1 and any(w.urgent for w in workers)
+                worker.hold_low_priority(hold)
                 # while any of them has work in flight (asked anew: the one before may have just
                 # taken a job), the others only glance at the bus
                 busy = any(w.busy for w in workers)

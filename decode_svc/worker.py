@@ -137,7 +137,9 @@ class DecodeWorker(EngineWorker):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=payload.seed,
-            keep_final_state=True,  # stored below as where the conversation's next turn can resume
+            # stored below as where the conversation's next turn can resume; a batch request has none
+            # to come, and the copy and the store would cost interactive traffic its cores
+            keep_final_state=payload.priority == "interactive",
             prefix_namespace=payload.tenant,
             priority=ENGINE_PRIORITY[payload.priority],
         )
@@ -190,6 +192,11 @@ class DecodeWorker(EngineWorker):
         """Unpin the prompt's entry prefill leased to this job: it will not be loaded."""
         if payload.kv is not None:
             self.cache.release(job_id, payload.kv.key)
+
+    @property
+    def urgent(self) -> bool:
+        """An interactive job's state is being loaded: its first token goes out once it is admitted."""
+        return any(job.fetch is not None and job.payload.priority == "interactive" for job in self.jobs.values())
 
     def idle(self) -> None:
         if not self.jobs:

@@ -11,7 +11,9 @@ prompt continued, before any of a larger number; when blocks run out, the victim
 most recently admitted request of the largest number. A prefill step with priority-0 work
 in it takes nothing else, and one without takes at most `max_low_priority_tokens` tokens, so
 that priority-0 work arriving meanwhile waits for a short step only; while priority-0
-requests decode, such steps alternate with decode steps. So batch work (1) runs in what
+requests decode, such steps alternate with decode steps; and while `hold_low_priority` is set
+(priority-0 work is on its way to this engine or another one on the same thread), steps take
+priority-0 work only. So batch work (1) runs in what
 interactive work (0) leaves free, and gives it back as soon as interactive work needs it.
 """
 
@@ -40,6 +42,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_low_priority_tokens = max_low_priority_tokens
         self._low_prefill_last = False  # the last step prefilled priority > 0 work only
+        # while set, steps take priority-0 work only: something priority-0 is on its way that
+        # must not wait for steps of other work (another engine on the same thread may set it)
+        self.hold_low_priority = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -86,7 +91,7 @@ class Scheduler:
         def allowed(seq: Sequence) -> int:
             if seq.params.priority == 0:
                 return budget
-            return 0 if urgent else min(budget, low_budget)
+            return 0 if urgent or self.hold_low_priority else min(budget, low_budget)
 
         # Sequences already admitted but with more than one token to compute (chunked prompts) first.
         for seq in sorted(self.running, key=_priority):
@@ -123,6 +128,8 @@ class Scheduler:
         seqs: list[Sequence] = []
         for seq in list(self.running):
             if seq not in self.running or seq.num_pending != 1:  # preempted to make room for an earlier one
+                continue
+            if self.hold_low_priority and seq.params.priority:
                 continue
             if self._reserve(seq, seq.num_tokens, protect=seqs):
                 seqs.append(seq)

@@ -104,15 +104,18 @@ class BatchRunner:
             self.batches.start(batch.id, requests)
 
     def _follow(self) -> None:
-        """Requests whose jobs ended take the job's outcome."""
+        """Requests whose jobs ended take the job's outcome (a job cancelled because its batch
+        expired: expired)."""
         with self.session.begin() as s:
             query = (
-                select(BatchRequest, Job.status)
+                select(BatchRequest, Job.status, Batch.expired_at)
                 .join(Job, Job.id == BatchRequest.job_id)
+                .join(Batch, Batch.id == BatchRequest.batch_id)
                 .where(BatchRequest.state == SENT, Job.status.in_(FINAL))
             )
-            for request, status in s.execute(query).all():
-                request.state = {"succeeded": SUCCEEDED, "failed": ERRORED}.get(status, CANCELED)
+            for request, status, expired_at in s.execute(query).all():
+                stopped = EXPIRED if expired_at is not None else CANCELED
+                request.state = {"succeeded": SUCCEEDED, "failed": ERRORED}.get(status, stopped)
 
     def _stop(self) -> None:
         """Cancelled batches and those past their window: nothing more is sent, and their jobs

@@ -33,14 +33,19 @@ from gateway.jobs import JobStore
 settings = Settings()
 app = Celery("deepmesh.batches", broker=settings.redis_url)
 app.conf.update(
-    beat_schedule={"advance": {"task": "deepmesh.batches.advance", "schedule": settings.batch_round_seconds}},
+    beat_schedule={
+        "advance": {
+            "task": "deepmesh.batches.advance",
+            "schedule": settings.batch_round_seconds,
+            # a round that waited in the queue behind a slow one is pointless: the next beat sends another
+            "options": {"expires": settings.batch_round_seconds * 5},
+        }
+    },
     task_default_queue=f"{settings.topic_prefix}batches",  # one queue per mesh
     task_ignore_result=True,
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
-    # a round that waits in the queue behind a slow one is pointless: the next beat sends another
     task_time_limit=300,
-    task_default_expires=settings.batch_round_seconds * 5,
 )
 
 

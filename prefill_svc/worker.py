@@ -281,6 +281,11 @@ class PrefillWorker(EngineWorker):
             return False
         return match.load_seconds > (match.num_tokens - held) / self.tokens_per_second
 
+    @property
+    def urgent(self) -> bool:
+        """An interactive job is here: every job here is on its way to its first token."""
+        return any(job.payload.priority == "interactive" for job in self.jobs.values())
+
     def idle(self) -> None:
         self._keep_warmed()
         if not self.jobs:

@@ -286,17 +286,20 @@ class GatewayBehaviour(SDKClients):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
 
     def test_responses_stream_and_not(self, oai):
-        reply = oai.responses.create(model=MODEL, input="What is a Kafka partition?", max_output_tokens=10)
+        # greedy: a sampled answer of a random-weight model may end early, at a sampled end of sequence
+        greedy = {"temperature": 0, "extra_body": GREEDY["extra_body"]}
+        reply = oai.responses.create(model=MODEL, input="What is a Kafka partition?", max_output_tokens=10, **greedy)
         assert reply.status in ("completed", "incomplete") and reply.usage.output_tokens == 10
-        events = list(oai.responses.create(model=MODEL, input="Hi", max_output_tokens=6, stream=True))
+        events = list(oai.responses.create(model=MODEL, input="Hi", max_output_tokens=6, stream=True, **greedy))
         assert events[0].type == "response.created"
         assert events[-1].type in ("response.completed", "response.incomplete")
         assert events[-1].response.usage.output_tokens == 6
 
     def test_messages_stream_and_not(self, claude):
-        reply = claude.messages.create(model=MODEL, max_tokens=10, messages=QUESTION)
+        greedy = {"extra_body": {"temperature": 0, **GREEDY["extra_body"]}}  # never an early sampled end
+        reply = claude.messages.create(model=MODEL, max_tokens=10, messages=QUESTION, **greedy)
         assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 10
-        with claude.messages.stream(model=MODEL, max_tokens=8, messages=QUESTION) as stream:
+        with claude.messages.stream(model=MODEL, max_tokens=8, messages=QUESTION, **greedy) as stream:
             kinds = [event.type for event in stream]
             final = stream.get_final_message()
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
@@ -475,6 +478,7 @@ class GatewayBehaviour(SDKClients):
 
     def test_async_job_submit_poll_and_replay(self, service):
         body = {"model": MODEL, "messages": QUESTION, "max_tokens": 10, "stream": True}  # a job never streams
+        body |= {"temperature": 0, **GREEDY["extra_body"]}  # greedy: no sampled end before the 10th token
         submitted = httpx.post(
             f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}, timeout=30
         )

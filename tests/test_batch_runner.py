@@ -94,3 +94,17 @@ def test_requests_the_broker_did_not_take_are_sent_again(setup):
     answer(jobs, [job_id for _, job_id in broker.sent])
     runner.advance()
     assert store.counts(batch.id) == {"succeeded": 6}
+
+
+def test_a_batch_past_its_window_expires_keeping_what_finished(setup):
+    jobs, broker, runner, store = setup
+    batch = store.create("anthropic", "acme", "messages", requests=requests("a", 10))
+    runner.advance()
+    answer(jobs, [job_id for _, job_id in broker.sent[:2]])  # two of the six running finish
+    with jobs.session.begin() as s:  # the 24 hours pass
+        s.get(type(batch), batch.id).expires_at = 0
+    runner.advance()
+    assert store.counts(batch.id) == {"succeeded": 2, "expired": 8}
+    ended = store.get("acme", batch.id, "anthropic")
+    assert ended.status == "expired" and ended.expired_at is not None
+    assert all(jobs.get(job_id).status == "cancelled" for _, job_id in broker.sent[2:])  # stopped, not left running

@@ -229,3 +229,32 @@ def test_a_prefill_step_with_interactive_work_takes_no_batch_work(tiny_model, ex
     while engine.has_unfinished_requests():
         step()
     assert tokens == {"batch": expected[520], "interactive": expected[300]}
+
+
+def test_held_batch_work_waits_while_interactive_work_steps(tiny_model, expected):
+    """hold_low_priority (set while an interactive job is on its way to its first token in an
+    engine on the same thread): steps take interactive work only; released, batch work goes on,
+    and both answer as they would alone."""
+    engine = LLMEngine(tiny_model, max_num_batched_tokens=1024)
+    prompts = random_prompts(LENGTHS, seed=3)
+    engine.add_request("batch", prompts[2], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, priority=1))
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    step()
+    step()
+    assert len(tokens["batch"]) == 2
+    engine.scheduler.hold_low_priority = True
+    step()  # nothing but batch work: no step at all
+    assert len(tokens["batch"]) == 2
+    engine.add_request("interactive", prompts[1], GREEDY)
+    step()
+    step()
+    assert len(tokens["batch"]) == 2 and len(tokens["interactive"]) == 2
+    engine.scheduler.hold_low_priority = False
+    while engine.has_unfinished_requests():
+        step()
+    assert tokens == {"batch": expected[129], "interactive": expected[17]}
