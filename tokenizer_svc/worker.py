@@ -69,9 +69,12 @@ class TokenizerWorker(Worker):
         pending: dict[str, list[Event]] = {}
         finished: dict[str, list[Event]] = {}
         failed: dict[str, ResultPayload] = {}
-        for record in records:
+        requests = self.topic(Topic.REQUESTS)
+        # new prompts first: a prompt waits for no answer's conversion (a job's tokens always come
+        # after its request, and each topic keeps its order)
+        for record in sorted(records, key=lambda r: r.topic != requests):
             try:
-                if record.topic == self.topic(Topic.REQUESTS):
+                if record.topic == requests:
                     self._on_request(record)
                 else:
                     self._on_tokens(record, pending, finished)
