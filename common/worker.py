@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -153,9 +154,6 @@ class Worker:
         """It holds interactive work on its way to a first token (see run_workers)."""
         return False
 
-    def hold_low_priority(self, hold: bool) -> None:
-        """While held, its engine steps take interactive work only."""
-
     def run_once(self, timeout: float = 0.1) -> None:
         if self._consumer is None:
             self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.consumer_group)
@@ -268,8 +266,14 @@ class EngineWorker(Worker):
     jobs: dict[str, Any]
     cache: Any  # engine.prefix_connector.PrefixConnector
 
-    def hold_low_priority(self, hold: bool) -> None:
-        self.engine.scheduler.hold_low_priority = hold
+    # set by run_workers when engines share a thread: whether one of them holds interactive work
+    # on its way to its first token (then every engine steps interactive work only)
+    hold: Callable[[], bool] | None = None
+
+    def step_engine(self) -> list:
+        """One engine step, asking first whether batch work must wait (see `hold`)."""
+        self.engine.scheduler.hold_low_priority = self.hold is not None and self.hold()
+        return self.engine.step()
 
     def __init__(self, bus: Bus, topic_prefix: str, fetch_threads: int = 2, replicas: ReplicaTable | None = None):
         super().__init__(bus, topic_prefix)
@@ -412,13 +416,15 @@ def run_workers(workers: list[Worker], stop: threading.Event) -> None:
     interactive job waits for the steps of both engines at each hop (admission, prefill,
     hand-over), which is why batch work is held while one is on its way.
     """
+    if len(workers) > 1:
+        # an interactive job on its way to its first token, in any of them: every engine steps
+        # interactive work only, so that no step of batch work stands in its way (asked before
+        # each step: the job may have arrived in the same turn)
+        for worker in workers:
+            worker.hold = lambda: any(w.urgent for w in workers)
     try:
         while not stop.is_set():
             for worker in workers:
-                # an interactive job on its way to its first token, in any of them: every engine
-                # steps interactive work only, so that no step of batch work stands in its way
-                hold = len(workers) > 1 and any(w.urgent for w in workers)
-                worker.hold_low_priority(hold)
                 # while any of them has work in flight (asked anew: the one before may have just
                 # taken a job), the others only glance at the bus
                 busy = any(w.busy for w in workers)

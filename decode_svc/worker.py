@@ -206,7 +206,7 @@ class DecodeWorker(EngineWorker):
             metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
             return
         started = time.perf_counter()
-        outputs = self.engine.step()
+        outputs = self.step_engine()
         elapsed = time.perf_counter() - started
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(elapsed)
         self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed

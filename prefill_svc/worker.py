@@ -295,7 +295,7 @@ class PrefillWorker(EngineWorker):
         if not self.engine.has_unfinished_requests():
             return
         started = time.perf_counter()
-        outputs = self.engine.step()
+        outputs = self.step_engine()
         elapsed = time.perf_counter() - started
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(elapsed)
         if self.engine.last_step_tokens > 1 and elapsed > 0:
