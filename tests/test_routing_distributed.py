@@ -256,9 +256,11 @@ def test_over_the_admission_bound_a_call_is_refused_with_429_and_async_jobs_wait
     (1 here): a 429 with Retry-After that the official SDKs read as a rate limit. Async jobs
     are never refused: they queue and run."""
     url = strict_gateway
-    long_prompt = [{"role": "user", "content": "Summarise the history of message queues. " * 280}]
     job_ids = []
-    for _ in range(16):  # tens of thousands of prompt tokens ahead of any new call
+    for i in range(16):  # tens of thousands of prompt tokens ahead of any new call
+        # each its own from the first word: prompts that shared one would be mostly cached, and
+        # the queue only a few hundred tokens deep
+        long_prompt = [{"role": "user", "content": f"{i} " + "Summarise the history of message queues. " * 280}]
         body = {"model": MODEL, "messages": long_prompt, "max_tokens": 2}
         submitted = httpx.post(f"{url}/v1/jobs", json={"endpoint": "chat.completions", "body": body})
         assert submitted.status_code == 202
