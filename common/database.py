@@ -31,8 +31,10 @@ def open_database(url: str, migrations: Path) -> tuple[Engine, sessionmaker[Sess
 
 def _sqlite_pragmas(connection, _record) -> None:
     """Write-ahead logging: readers (fetch threads, the API) never wait for a writer, and a
-    commit appends to the log instead of syncing the database file each time."""
+    commit appends to the log instead of syncing the database file each time. Foreign keys
+    enforced, as PostgreSQL does: a deleted row's dependants go with it (ON DELETE CASCADE)."""
     cursor = connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA busy_timeout=10000")

@@ -50,11 +50,11 @@ class Settings(BaseSettings):
     # admission control: a call no prefill replica could start within this many seconds is
     # answered 429 with Retry-After (async jobs wait in the queue instead); 0: never refused
     admission_wait_seconds: float = 30.0
+    # API keys (gateway/keys.py) are required when the gateway listens beyond loopback, or with this set
+    require_keys: bool = False
     # batches (gateway/batch_runner.py): where uploaded and output files live (shared by every
     # gateway replica and the batch runner), how many batch requests run at once across all
     # batches, and how often the runner takes a round
-    # API keys (gateway/keys.py) are required when the gateway listens beyond loopback, or with this set
-    require_keys: bool = False
     files_dir: str = ".cache/files"
     batch_in_flight: int = 64
     batch_round_seconds: float = 1.0

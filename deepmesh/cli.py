@@ -336,9 +336,10 @@ def _service(args: argparse.Namespace) -> int:
 def _keys(args: argparse.Namespace) -> int:
     from common.api import TENANT_PATTERN
     from common.settings import Settings
+    from gateway.jobs import JobStore
     from gateway.keys import KeyStore
 
-    store = KeyStore.open(Settings().database_url)
+    store = KeyStore(JobStore(Settings().database_url).session)
     if args.action == "create":
         if not TENANT_PATTERN.fullmatch(args.tenant):
             raise ValueError("the tenant is 1 to 64 letters, digits, '.', '_' or '-'")
@@ -364,13 +365,12 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace) -> int:
-    from common.database import open_database
     from common.settings import Settings
-    from gateway.jobs import MIGRATIONS
+    from gateway.jobs import JobStore
     from gateway.ledger import Ledger, day_of
 
     today = day_of(time.time())
-    rows = Ledger(open_database(Settings().database_url, MIGRATIONS)[1]).report(args.start or today, args.end or today)
+    rows = Ledger(JobStore(Settings().database_url).session).report(args.start or today, args.end or today)
     header = f"{'tenant':<20} {'model':<20} {'day':<10} {'priority':<11} {'requests':>9} {'cached in':>11}"
     print(header + f" {'uncached in':>11} {'output':>11}")
     for r in rows:

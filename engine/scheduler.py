@@ -13,8 +13,8 @@ in it takes nothing else, and one without takes at most `max_low_priority_tokens
 that priority-0 work arriving meanwhile waits for a short step only; while priority-0
 requests decode, such steps alternate with decode steps; and while `hold_low_priority` is set
 (priority-0 work is on its way to this engine or another one on the same thread), steps take
-priority-0 work only. So batch work (1) runs in what
-interactive work (0) leaves free, and gives it back as soon as interactive work needs it.
+priority-0 work only. So batch work (1) runs in what interactive work (0) leaves free, and
+gives it back as soon as interactive work needs it.
 """
 
 from __future__ import annotations

@@ -160,12 +160,12 @@ def create_app(
     admission = Admission(replicas, admission_wait_seconds) if replicas is not None else None
     results_topic = topic_name(Topic.RESULTS, topic_prefix)
     router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
-    recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs)
     dispatcher = Dispatcher(bus, topic_prefix)
     files = FileStore(jobs.session, files_dir) if jobs is not None else None
     batches = BatchStore(jobs.session) if jobs is not None else None
     keys = KeyStore(jobs.session) if jobs is not None else None
-    recorder.ledger = ledger = Ledger(jobs.session) if jobs is not None else None
+    ledger = Ledger(jobs.session) if jobs is not None else None
+    recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs, ledger=ledger)
     quotas = quotas if quotas is not None else MemoryQuotas()
     stop_batches = threading.Event()
 

@@ -27,16 +27,15 @@ from gateway.batches import (
     openai_batch,
     parse_anthropic_requests,
 )
-from gateway.files import MAX_FILE_BYTES, PURPOSES, FileStore, FileTooLarge
+from gateway.files import MAX_FILE_BYTES, FileStore, FileTooLarge
 from gateway.http import Refused, protocol_error, read_body
 
 OPENAI, ANTHROPIC = "jobs", "messages"  # whose error shape: OpenAI's, Anthropic's
 TenantOf = Callable[[Request, str], str]  # the caller's tenant; raises Refused
-error = protocol_error
 
 
 def not_found(shape: str, what: str) -> JSONResponse:
-    return error(shape, 404, f"no {what}", "not_found_error")
+    return protocol_error(shape, 404, f"no {what}", "not_found_error")
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -53,7 +52,7 @@ def page(shape: str, rows: list[dict[str, Any]], has_more: bool) -> dict[str, An
 def limit_of(request: Request, shape: str) -> int:
     raw = request.query_params.get("limit", "20")
     if not raw.isdigit() or not 1 <= int(raw) <= 1000:
-        raise Refused(error(shape, 400, "limit must be an integer from 1 to 1000"))
+        raise Refused(protocol_error(shape, 400, "limit must be an integer from 1 to 1000"))
     return int(raw)
 
 
@@ -66,25 +65,22 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
     def anthropic_tenant(request: Request) -> str:
         return tenant_of(request, ANTHROPIC)
 
-    def counts(batch_id: str) -> dict[str, int]:
-        return batches.counts(batch_id)
-
     # -- OpenAI: files ---------------------------------------------------------------------------
 
     @routes.post("/v1/files")
     async def upload_file(request: Request, tenant: str = Depends(openai_tenant)) -> Response:
         if int(request.headers.get("content-length") or 0) > MAX_FILE_BYTES + (1 << 20):
-            return error(OPENAI, 413, f"the file is larger than {MAX_FILE_BYTES >> 20} MB")
+            return protocol_error(OPENAI, 413, f"the file is larger than {MAX_FILE_BYTES >> 20} MB")
         try:
             form = await request.form(max_files=1, max_fields=8)
         except Exception as err:  # Starlette's parser: not multipart, malformed parts
-            return error(OPENAI, 400, f"expected multipart/form-data with file and purpose: {err}")
+            return protocol_error(OPENAI, 400, f"expected multipart/form-data with file and purpose: {err}")
         try:
             purpose, upload = form.get("purpose"), form.get("file")
-            if purpose not in PURPOSES[:1]:
-                return error(OPENAI, 400, "purpose must be 'batch' (the only purpose this server takes)")
+            if purpose != "batch":
+                return protocol_error(OPENAI, 400, "purpose must be 'batch' (the only purpose this server takes)")
             if not isinstance(upload, UploadFile):
-                return error(OPENAI, 400, "file: the file to upload, as a multipart part with a filename")
+                return protocol_error(OPENAI, 400, "file: the file to upload, as a multipart part with a filename")
 
             async def chunks() -> AsyncIterator[bytes]:
                 while chunk := await upload.read(1 << 20):
@@ -93,7 +89,7 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
             try:
                 record = await files.upload(tenant, purpose, upload.filename or "upload.jsonl", chunks())
             except FileTooLarge as err:
-                return error(OPENAI, 413, str(err))
+                return protocol_error(OPENAI, 413, str(err))
         finally:
             await form.close()
         return JSONResponse(record.to_api())
@@ -132,12 +128,12 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
         try:
             body = await read_json(request, 1 << 20)
         except BadRequest as err:
-            return error(OPENAI, err.status, str(err))
+            return protocol_error(OPENAI, err.status, str(err))
         endpoint, window, metadata = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
         if endpoint not in OPENAI_URLS:
-            return error(OPENAI, 400, f"endpoint must be one of {', '.join(OPENAI_URLS)}, not {endpoint!r}")
+            return protocol_error(OPENAI, 400, f"endpoint must be one of {', '.join(OPENAI_URLS)}, not {endpoint!r}")
         if window not in COMPLETION_WINDOWS:
-            return error(OPENAI, 400, f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}")
+            return protocol_error(OPENAI, 400, f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}")
         if metadata is not None and not (
             isinstance(metadata, dict)
             and len(metadata) <= 16
@@ -146,13 +142,13 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
                 for k, v in metadata.items()
             )
         ):
-            return error(OPENAI, 400, "metadata: at most 16 string keys (64 characters) and values (512)")
+            return protocol_error(OPENAI, 400, "metadata: at most 16 string keys (64 characters) and values (512)")
         file_id = body.get("input_file_id")
         record = await asyncio.to_thread(files.get, tenant, file_id) if isinstance(file_id, str) else None
         if record is None:
-            return error(OPENAI, 400, f"input_file_id: no file {file_id!r}")
+            return protocol_error(OPENAI, 400, f"input_file_id: no file {file_id!r}")
         if record.purpose != "batch":
-            return error(OPENAI, 400, f"input_file_id: file {file_id} was not uploaded with purpose 'batch'")
+            return protocol_error(OPENAI, 400, f"input_file_id: file {file_id} was not uploaded with purpose 'batch'")
         batch = await asyncio.to_thread(
             batches.create, "openai", tenant, OPENAI_URLS[endpoint], window, file_id, metadata
         )
@@ -162,7 +158,7 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
     async def list_batches(request: Request, tenant: str = Depends(openai_tenant)) -> Response:
         limit = limit_of(request, OPENAI)
         rows, more = await asyncio.to_thread(batches.list, tenant, "openai", request.query_params.get("after"), limit)
-        shown = [openai_batch(b, await asyncio.to_thread(counts, b.id)) for b in rows]
+        shown = [openai_batch(b, await asyncio.to_thread(batches.counts, b.id)) for b in rows]
         return JSONResponse(page(OPENAI, shown, more))
 
     @routes.get("/v1/batches/{batch_id}")
@@ -170,14 +166,14 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
         batch = await asyncio.to_thread(batches.get, tenant, batch_id, "openai")
         if batch is None:
             return not_found(OPENAI, f"batch {batch_id}")
-        return JSONResponse(openai_batch(batch, await asyncio.to_thread(counts, batch_id)))
+        return JSONResponse(openai_batch(batch, await asyncio.to_thread(batches.counts, batch_id)))
 
     @routes.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, request: Request, tenant: str = Depends(openai_tenant)) -> Response:
         batch = await asyncio.to_thread(batches.cancel, tenant, batch_id, "openai")
         if batch is None:
             return not_found(OPENAI, f"batch {batch_id}")
-        return JSONResponse(openai_batch(batch, await asyncio.to_thread(counts, batch_id)))
+        return JSONResponse(openai_batch(batch, await asyncio.to_thread(batches.counts, batch_id)))
 
     # -- Anthropic: message batches --------------------------------------------------------------
 
@@ -187,7 +183,9 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
     async def show_message_batch(request: Request, batch: Batch | None, batch_id: str) -> Response:
         if batch is None:
             return not_found(ANTHROPIC, f"message batch {batch_id}")
-        shown = anthropic_batch(batch, await asyncio.to_thread(counts, batch_id), results_url(request, batch_id))
+        shown = anthropic_batch(
+            batch, await asyncio.to_thread(batches.counts, batch_id), results_url(request, batch_id)
+        )
         return JSONResponse(shown)
 
     @routes.post("/v1/messages/batches", openapi_extra=schemas.request_body("MessageBatchCreateRequest"))
@@ -196,17 +194,18 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
             body = await read_json(request, MAX_FILE_BYTES)
             requests = parse_anthropic_requests(body)
         except BadRequest as err:
-            return error(ANTHROPIC, err.status, str(err))
+            return protocol_error(ANTHROPIC, err.status, str(err))
         batch = await asyncio.to_thread(batches.create, "anthropic", tenant, "messages", "24h", None, None, requests)
-        shown = anthropic_batch(batch, await asyncio.to_thread(counts, batch.id), results_url(request, batch.id))
-        return JSONResponse(shown)
+        return await show_message_batch(request, batch, batch.id)
 
     @routes.get("/v1/messages/batches")
     async def list_message_batches(request: Request, tenant: str = Depends(anthropic_tenant)) -> Response:
         limit = limit_of(request, ANTHROPIC)
         after = request.query_params.get("after_id")
         rows, more = await asyncio.to_thread(batches.list, tenant, "anthropic", after, limit)
-        shown = [anthropic_batch(b, await asyncio.to_thread(counts, b.id), results_url(request, b.id)) for b in rows]
+        shown = [
+            anthropic_batch(b, await asyncio.to_thread(batches.counts, b.id), results_url(request, b.id)) for b in rows
+        ]
         return JSONResponse(page(ANTHROPIC, shown, more))
 
     @routes.get("/v1/messages/batches/{batch_id}")
@@ -229,7 +228,9 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
         if batch is None:
             return not_found(ANTHROPIC, f"message batch {batch_id}")
         if batch.status not in ENDED:
-            return error(ANTHROPIC, 400, f"message batch {batch_id} is still processing; its results come when it ends")
+            return protocol_error(
+                ANTHROPIC, 400, f"message batch {batch_id} is still processing; its results come when it ends"
+            )
 
         async def lines() -> AsyncIterator[bytes]:
             rows = await asyncio.to_thread(lambda: list(batches.results(batch_id)))
@@ -246,7 +247,7 @@ def batch_routes(files: FileStore | None, batches: BatchStore | None, tenant_of:
         if batch is None:
             return not_found(ANTHROPIC, f"message batch {batch_id}")
         if batch.status not in ENDED:
-            return error(ANTHROPIC, 400, f"message batch {batch_id} is still processing; cancel it first")
+            return protocol_error(ANTHROPIC, 400, f"message batch {batch_id} is still processing; cancel it first")
         return JSONResponse({"id": batch_id, "type": "message_batch_deleted"})
 
     return routes

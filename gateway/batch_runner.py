@@ -21,14 +21,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from common.api import error_body
 from gateway.batches import (
     CANCELED,
     ERRORED,
     EXPIRED,
-    OPENAI_URLS,
     PENDING,
     SENDING,
     SENT,
@@ -38,6 +37,7 @@ from gateway.batches import (
     BatchStore,
     InvalidInput,
     openai_line,
+    openai_url,
     parse_openai_input,
     problem_of,
     usage_of,
@@ -93,11 +93,10 @@ class BatchRunner:
             waiting = list(s.scalars(select(Batch).where(Batch.status == "validating")))
         for batch in waiting:
             path = self.files.path(batch.input_file_id or "")
-            url = next(u for u, e in OPENAI_URLS.items() if e == batch.endpoint)
             try:
                 if not path.is_file():
                     raise InvalidInput([{"code": "file_not_found", "message": "the input file is gone", "param": None}])
-                requests = parse_openai_input(path, url)
+                requests = parse_openai_input(path, openai_url(batch.endpoint))
             except InvalidInput as err:
                 self.batches.fail(batch.id, err.errors)
                 continue
@@ -157,24 +156,37 @@ class BatchRunner:
                 )
 
     def _send_more(self) -> None:
+        """Fill the free places: reads the counts in flight and, per batch, only as many of its
+        next pending requests as there are places (not a 50,000-request batch every round)."""
         with self.session() as s:
             active = {b.id: b for b in s.scalars(select(Batch).where(Batch.status == "in_progress"))}
             if not active:
                 return
-            states = s.execute(
-                select(BatchRequest.batch_id, BatchRequest.state, BatchRequest.index)
-                .where(BatchRequest.batch_id.in_(active), BatchRequest.state.in_((PENDING, SENDING, SENT)))
-                .order_by(BatchRequest.index)
-            ).all()
-        in_flight = Counter(batch_id for batch_id, state, _ in states if state != PENDING)
-        pending: dict[str, list[int]] = {}
-        for batch_id, state, index in states:
-            if state == PENDING:
-                pending.setdefault(batch_id, []).append(index)
+            in_flight = Counter(
+                dict(
+                    s.execute(
+                        select(BatchRequest.batch_id, func.count())
+                        .where(BatchRequest.batch_id.in_(active), BatchRequest.state.in_((SENDING, SENT)))
+                        .group_by(BatchRequest.batch_id)
+                    ).all()
+                )
+            )
+            free = self.in_flight - sum(in_flight.values())
+            if free <= 0:
+                return
+            pending: dict[str, list[int]] = {}
+            for batch_id in active:
+                query = (
+                    select(BatchRequest.index)
+                    .where(BatchRequest.batch_id == batch_id, BatchRequest.state == PENDING)
+                    .order_by(BatchRequest.index)
+                    .limit(free)
+                )
+                if indexes := list(s.scalars(query)):
+                    pending[batch_id] = indexes
         by_tenant = Counter()
         for batch_id, count in in_flight.items():
             by_tenant[active[batch_id].tenant] += count
-        free = self.in_flight - sum(in_flight.values())
         chosen: list[tuple[str, int]] = []
         while free > 0 and pending:
             batch_id = min(pending, key=lambda b: (by_tenant[active[b].tenant], in_flight[b], active[b].created_at))
@@ -203,9 +215,7 @@ class BatchRunner:
                     s.add(_failed_job(request, batch.endpoint, problem))
                     request.state = SENT  # _follow gives it the job's outcome
                     continue
-                job = Job(id=request.job_id, endpoint=batch.endpoint, body=request.body, status="queued")
-                job.created_at, job.event_count = now, 0
-                s.add(job)
+                s.add(Job.queued(request.job_id, batch.endpoint, request.body))
                 request.state, request.sent_at = SENDING, now
                 requests.append(request)
         self._produce(requests, batches)
@@ -285,18 +295,10 @@ class BatchRunner:
 
 def _failed_job(request: BatchRequest, endpoint: str, problem: str) -> Job:
     """The job of a request that cannot run, already failed with the protocol's 400."""
-    now = time.time()
-    return Job(
-        id=request.job_id,
-        endpoint=endpoint,
-        body=request.body,
-        status="failed",
-        created_at=now,
-        finished_at=now,
-        status_code=400,
-        result=error_body(endpoint, problem),
-        event_count=0,
-    )
+    job = Job.queued(request.job_id, endpoint, request.body)
+    job.status, job.finished_at, job.status_code = "failed", job.created_at, 400
+    job.result = error_body(endpoint, problem)
+    return job
 
 
 class BatchRunnerThread(threading.Thread):

@@ -95,6 +95,11 @@ class InvalidInput(ValueError):
 # -- input ---------------------------------------------------------------------------------------
 
 
+def openai_url(endpoint: str) -> str:
+    """The URL an OpenAI batch names for one of our endpoints."""
+    return next(url for url, served in OPENAI_URLS.items() if served == endpoint)
+
+
 def parse_openai_input(path: Path, url: str) -> list[tuple[str, dict[str, Any]]]:
     """The (custom_id, body) of each line of an OpenAI batch input file, or InvalidInput listing
     every bad line (at most 100): not a JSON object, no custom_id, a duplicate custom_id, a
@@ -234,9 +239,10 @@ class BatchStore:
     def _add_requests(s: Session, batch: Batch, requests: list[tuple[str, dict[str, Any]]]) -> None:
         rows = [
             {"batch_id": batch.id, "index": i, "custom_id": c, "body": job_body(b), "job_id": uuid.uuid4().hex}
+            | {"state": PENDING}
             for i, (c, b) in enumerate(requests)
         ]
-        s.execute(BatchRequest.__table__.insert(), [{**row, "state": PENDING} for row in rows])
+        s.execute(BatchRequest.__table__.insert(), rows)
         batch.status, batch.in_progress_at = "in_progress", time.time()
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
@@ -247,9 +253,7 @@ class BatchStore:
 
     def get(self, tenant: str, batch_id: str, protocol: str) -> Batch | None:
         with self.session() as s:
-            batch = s.get(Batch, batch_id)
-            ok = batch is not None and batch.tenant == tenant and batch.protocol == protocol
-            return batch if ok else None
+            return _owned(s.get(Batch, batch_id), tenant, protocol)
 
     def list(self, tenant: str, protocol: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         """A page of the tenant's batches, newest first, after the batch `after`; and whether more follow."""
@@ -264,8 +268,8 @@ class BatchStore:
         """Ask a batch to stop: cancelling (the runner cancels what runs and ends it). One that
         has ended stays as it is."""
         with self.session.begin() as s:
-            batch = s.get(Batch, batch_id, with_for_update=True)
-            if batch is None or batch.tenant != tenant or batch.protocol != protocol:
+            batch = _owned(s.get(Batch, batch_id, with_for_update=True), tenant, protocol)
+            if batch is None:
                 return None
             if batch.status in ("validating", "in_progress"):
                 batch.status, batch.cancelling_at = "cancelling", time.time()
@@ -273,11 +277,9 @@ class BatchStore:
 
     def delete(self, tenant: str, batch_id: str, protocol: str) -> Batch | None:
         with self.session.begin() as s:
-            batch = s.get(Batch, batch_id)
-            if batch is None or batch.tenant != tenant or batch.protocol != protocol:
-                return None
-            if batch.status in ENDED:
-                s.delete(batch)
+            batch = _owned(s.get(Batch, batch_id), tenant, protocol)
+            if batch is not None and batch.status in ENDED:
+                s.delete(batch)  # its requests go with it (ON DELETE CASCADE)
             return batch
 
     def counts(self, batch_id: str) -> dict[str, int]:
@@ -306,11 +308,16 @@ class BatchStore:
                     .order_by(BatchRequest.index)
                     .limit(chunk)
                 )
-                rows = list(s.execute(query).all())
+                rows = s.execute(query).all()
             yield from rows
             if len(rows) < chunk:
                 return
             last = rows[-1][0].index
+
+
+def _owned(batch: Batch | None, tenant: str, protocol: str) -> Batch | None:
+    """The batch, if it is this tenant's and of this protocol (another's is as good as none)."""
+    return batch if batch is not None and batch.tenant == tenant and batch.protocol == protocol else None
 
 
 # -- how each protocol shows a batch and its results ---------------------------------------------------
@@ -325,12 +332,11 @@ def _rfc3339(value: float | None) -> str | None:
 
 
 def openai_batch(batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
-    url = next(u for u, e in OPENAI_URLS.items() if e == batch.endpoint)
     errors = {"object": "list", "data": batch.errors} if batch.errors else None
     return {
         "id": batch.id,
         "object": "batch",
-        "endpoint": url,
+        "endpoint": openai_url(batch.endpoint),
         "errors": errors,
         "input_file_id": batch.input_file_id,
         "completion_window": batch.completion_window,

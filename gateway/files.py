@@ -21,7 +21,6 @@ from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 from gateway.jobs import Base
 
 MAX_FILE_BYTES = 200 << 20  # what OpenAI accepts for a batch input file
-PURPOSES = ("batch", "batch_output")
 
 
 class FileTooLarge(ValueError):

@@ -39,6 +39,11 @@ class Job(Base):
     done_data: Mapped[str | None] = mapped_column(Text, nullable=True)
     event_count: Mapped[int] = mapped_column(Integer, default=0)  # events 0 .. event_count - 1 are stored
 
+    @classmethod
+    def queued(cls, job_id: str, endpoint: str, body: dict[str, Any]) -> Job:
+        """A new job, not yet run."""
+        return cls(id=job_id, endpoint=endpoint, body=body, status="queued", created_at=time.time(), event_count=0)
+
     def to_api(self) -> dict[str, Any]:
         succeeded = self.status == "succeeded"
         return {
@@ -69,14 +74,7 @@ class JobStore:
         self.engine, self.session = open_database(url, MIGRATIONS)
 
     def create(self, job_id: str, endpoint: str, body: dict[str, Any]) -> Job:
-        job = Job(
-            id=job_id,
-            endpoint=endpoint,
-            body=body,
-            status="queued",
-            created_at=time.time(),
-            event_count=0,
-        )
+        job = Job.queued(job_id, endpoint, body)
         with self.session.begin() as s:
             s.add(job)
         return job

@@ -12,13 +12,11 @@ import hashlib
 import secrets
 import threading
 import time
-from pathlib import Path
 
 from sqlalchemy import Float, Integer, String, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
-from common.database import open_database
-from gateway.jobs import MIGRATIONS, Base
+from gateway.jobs import Base
 
 REMEMBER_SECONDS = 5.0
 
@@ -44,10 +42,6 @@ class KeyStore:
         self.session = session
         self._remembered: dict[str, tuple[float, ApiKey | None]] = {}
         self._lock = threading.Lock()
-
-    @classmethod
-    def open(cls, database_url: str) -> KeyStore:
-        return cls(open_database(database_url, Path(MIGRATIONS))[1])
 
     def create(self, tenant: str, rpm: int | None = None, tpm: int | None = None) -> tuple[ApiKey, str]:
         """A new key for `tenant`: its row and its secret (which is not stored)."""

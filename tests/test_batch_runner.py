@@ -76,6 +76,8 @@ def test_a_request_the_protocol_refuses_ends_errored_without_running(setup):
     runner.advance()
     assert store.counts(batch.id) == {"succeeded": 1, "errored": 1}
     assert store.get("acme", batch.id, "anthropic").status == "completed"
+    store.delete("acme", batch.id, "anthropic")
+    assert store.counts(batch.id) == {}  # its requests went with it, in SQLite as in PostgreSQL
 
 
 def test_requests_the_broker_did_not_take_are_sent_again(setup):
