@@ -104,13 +104,14 @@ class BatchRunner:
 
     def _follow(self) -> None:
         """Requests whose jobs ended take the job's outcome (a job cancelled because its batch
-        expired: expired)."""
+        expired: expired). `sending` ones too: a runner killed after producing a request but
+        before marking it sent leaves it `sending` while its job runs to the end."""
         with self.session.begin() as s:
             query = (
                 select(BatchRequest, Job.status, Batch.expired_at)
                 .join(Job, Job.id == BatchRequest.job_id)
                 .join(Batch, Batch.id == BatchRequest.batch_id)
-                .where(BatchRequest.state == SENT, Job.status.in_(FINAL))
+                .where(BatchRequest.state.in_((SENDING, SENT)), Job.status.in_(FINAL))
             )
             for request, status, expired_at in s.execute(query).all():
                 stopped = EXPIRED if expired_at is not None else CANCELED

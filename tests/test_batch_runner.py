@@ -1,10 +1,13 @@
 """The batch runner's rounds on the real database, with the bus replaced by what it would send:
-fair shares between tenants and batches, requests the protocol refuses, and a round cut short
-by a broker that stops taking records."""
+fair shares between tenants and batches, requests the protocol refuses, a round cut short by a
+broker that stops taking records, and a runner process killed at each point of its round."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +113,49 @@ def test_a_batch_past_its_window_expires_keeping_what_finished(setup):
     ended = store.get("acme", batch.id, "anthropic")
     assert ended.status == "expired" and ended.expired_at is not None
     assert all(jobs.get(job_id).status == "cancelled" for _, job_id in broker.sent[2:])  # stopped, not left running
+
+
+def _round_killed(url: str, files: str, produced: str, kill_after: int) -> None:
+    """A runner process's round that dies as under SIGKILL (no `finally`, no commit) right
+    after the broker took its `kill_after`-th record (0: before the first)."""
+    jobs = JobStore(url)
+    taken: list[str] = []
+
+    def send(job_id: str, endpoint: str, body: dict, options: dict) -> None:
+        if kill_after == 0:
+            os._exit(9)
+        taken.append(job_id)
+        Path(produced).write_text("\n".join(taken))
+        if len(taken) == kill_after:
+            os._exit(9)
+
+    BatchRunner(jobs, FileStore(jobs.session, files), send, lambda job_id: None, 6).advance()
+
+
+@pytest.mark.parametrize("kill_after", [0, 3, 6])
+def test_a_runner_killed_at_any_point_of_its_round_loses_no_request(setup, tmp_path, kill_after):
+    """Killed before producing, between two records, or after the last but before marking them
+    sent: the jobs it produced run to their end and count once, the ones it did not are sent by
+    the next runner, and the batch completes."""
+    jobs, broker, runner, store = setup
+    batch = store.create("anthropic", "acme", "messages", requests=requests("a", 8))
+    produced = tmp_path / "produced"
+    produced.touch()
+    url = jobs.engine.url.render_as_string(hide_password=False)
+    child = multiprocessing.get_context("spawn").Process(
+        target=_round_killed, args=(url, str(tmp_path / "files"), str(produced), kill_after)
+    )
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 9
+    ran = Path(produced).read_text().split()
+    assert len(ran) == kill_after
+    answer(jobs, ran)  # the mesh answers what reached it, with no runner to see it
+    runner.resend_after = 0  # as if the minute had passed: what is still `sending` was lost
+    for _ in range(10):
+        runner.advance()
+        answer(jobs, [job_id for _, job_id in broker.sent if jobs.get(job_id).status == "queued"])
+        if store.get("acme", batch.id, "anthropic").status == "completed":
+            break
+    assert store.counts(batch.id) == {"succeeded": 8}
+    assert not set(ran) & {job_id for _, job_id in broker.sent}  # none of the answered ones ran twice
