@@ -94,6 +94,32 @@ class EarlyCancels:
         return self._ids.pop(job_id, 0) is None
 
 
+class OnTheirWay:
+    """Interactive jobs on their way to a first token, written on one thread and asked about on
+    another (see run_workers). One whose end this worker never saw stops counting after
+    `expire_seconds`, so that nothing holds batch work for ever."""
+
+    def __init__(self, expire_seconds: float = 10.0):
+        self.expire_seconds = expire_seconds
+        self._since: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, job_id: str) -> None:
+        with self._lock:
+            self._since[job_id] = time.monotonic()
+
+    def discard(self, job_id: str) -> None:
+        with self._lock:
+            self._since.pop(job_id, None)
+
+    def __bool__(self) -> bool:
+        oldest = time.monotonic() - self.expire_seconds
+        with self._lock:
+            for job_id in [j for j, since in self._since.items() if since < oldest]:
+                del self._since[job_id]
+            return bool(self._since)
+
+
 class Worker:
     """Base for a service loop: subclasses set `topics` and `group` and implement `handle`."""
 
@@ -278,7 +304,10 @@ class EngineWorker(Worker):
     def __init__(self, bus: Bus, topic_prefix: str, fetch_threads: int = 2, replicas: ReplicaTable | None = None):
         super().__init__(bus, topic_prefix)
         self.fetch_threads = fetch_threads
+        # loads and stores of interactive jobs, and of batch jobs: apart, so that an interactive
+        # job's never waits in a queue behind batch work's
         self.fetcher = self._fetch_pool()
+        self.batch_fetcher = self._fetch_pool("batch")
         self.replica = replica_name(self.group)
         self.replicas = replicas
         self.report: LoadReport | None = None
@@ -348,12 +377,23 @@ class EngineWorker(Worker):
         self.watermarks.seen(record)
         return True
 
-    def _fetch_pool(self) -> ThreadPoolExecutor:
+    def _fetch_pool(self, kind: str = "") -> ThreadPoolExecutor:
         """The threads every cache call runs on: never the engine's."""
-        return ThreadPoolExecutor(self.fetch_threads, thread_name_prefix=f"{self.group}-fetch")
+        return ThreadPoolExecutor(self.fetch_threads, thread_name_prefix=f"{self.group}-{kind}fetch")
+
+    def fetch_pool(self, priority: str) -> ThreadPoolExecutor:
+        """Where a job of this priority loads and stores its state."""
+        return self.batch_fetcher if priority == "batch" else self.fetcher
 
     def save_later(
-        self, job_id: str, span: Span, tenant: str, retention: str, state: Any, lease_seconds: float = 0.0
+        self,
+        job_id: str,
+        span: Span,
+        tenant: str,
+        retention: str,
+        state: Any,
+        lease_seconds: float = 0.0,
+        priority: str = "interactive",
     ) -> Future:
         """Store a state where a longer prompt that starts with its tokens can resume, on a fetch
         thread (the engine goes on meanwhile); the future gives the stored entry, or None."""
@@ -362,7 +402,7 @@ class EngineWorker(Worker):
             with within(span, job_id):
                 return self.cache.save(job_id, tenant, retention, state, lease_seconds)
 
-        return self.fetcher.submit(save)
+        return self.fetch_pool(priority).submit(save)
 
     def close(self) -> None:
         """Stop consuming and reporting. Loads and stores under way finish on their threads (a
@@ -371,8 +411,9 @@ class EngineWorker(Worker):
         if self._reporter is not None:
             self._reporter.stop()
             self._reporter = None
-        self.fetcher.shutdown(wait=False)
-        self.fetcher = self._fetch_pool()
+        for pool in (self.fetcher, self.batch_fetcher):
+            pool.shutdown(wait=False)
+        self.fetcher, self.batch_fetcher = self._fetch_pool(), self._fetch_pool("batch")
 
     def admit_fetched(self) -> None:
         """Admit (`_admit`) every job whose fetch is done; with nothing else for the engine to
@@ -406,7 +447,7 @@ class EngineWorker(Worker):
         return True
 
 
-def run_workers(workers: list[Worker], stop: threading.Event) -> None:
+def run_workers(workers: list[Worker], stop: threading.Event, also_urgent: list[Worker] | None = None) -> None:
     """Run workers in turn on the calling thread until `stop` is set; each outlives any one failure.
 
     The embedded mode runs its prefill and decode workers together this way: PyTorch on CPU
@@ -414,14 +455,17 @@ def run_workers(workers: list[Worker], stop: threading.Event) -> None:
     OpenMP pool, together they oversubscribe the cores, and the pools stop spinning between
     operators), so a process has one thread that runs engines. Its turns then cross: an
     interactive job waits for the steps of both engines at each hop (admission, prefill,
-    hand-over), which is why batch work is held while one is on its way.
+    hand-over), which is why batch work is held while one is on its way. `also_urgent`: workers
+    on other threads of the process that know of such jobs earlier (the tokenizer, from the
+    moment it sends the prompt on until the first token is back).
     """
-    if len(workers) > 1:
+    if len(workers) > 1 or also_urgent:
         # an interactive job on its way to its first token, in any of them: every engine steps
         # interactive work only, so that no step of batch work stands in its way (asked before
         # each step: the job may have arrived in the same turn)
+        watched = [*workers, *(also_urgent or [])]
         for worker in workers:
-            worker.hold = lambda: any(w.urgent for w in workers)
+            worker.hold = lambda: any(w.urgent for w in watched)
     try:
         while not stop.is_set():
             for worker in workers:

@@ -100,7 +100,7 @@ class DecodeWorker(EngineWorker):
                 "decode", job_id, context_of(record.headers), SpanKind.CONSUMER, **{"deepmesh.replica": self.replica}
             )
             job = self.jobs[job_id] = _Job(payload, span, record, headers_of(span))
-            job.fetch = self.fetcher.submit(self._fetch, job_id, job)
+            job.fetch = self.fetch_pool(payload.priority).submit(self._fetch, job_id, job)
             self.watermarks.hold(record, job_id)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 

@@ -86,7 +86,8 @@ class Mesh:
         groups = [[w] for w in workers if w not in engines] + ([engines] if engines else [])
         for group in groups:
             name = "+".join(w.group for w in group)
-            thread = threading.Thread(target=run_workers, args=(group, self.stopping), name=name, daemon=True)
+            args = (group, self.stopping, [self.tokenizer] if group is engines else None)
+            thread = threading.Thread(target=run_workers, args=args, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         return self
@@ -94,7 +95,7 @@ class Mesh:
     def run_engines(self, until: threading.Event | None = None) -> None:
         """Run prefill and decode on the calling thread until stop() (or `until` is set): `deepmesh
         serve` gives them its main thread, which loaded the model, so no second thread runs PyTorch."""
-        run_workers(self.engine_workers, until or self.stopping)
+        run_workers(self.engine_workers, until or self.stopping, also_urgent=[self.tokenizer])
 
     def stop(self) -> None:
         """Stop every worker, then write what only memory holds down to the cache's disk tiers:

@@ -162,7 +162,7 @@ class PrefillWorker(EngineWorker):
             job = _Job(payload, params, record, span)
             resident = self.engine.resident.longest(payload.tenant, payload.prompt_token_ids, prompt_tokens)
             job.resident_tokens = resident.num_tokens if resident is not None else 0
-            job.fetch = self.fetcher.submit(self._fetch, job_id, job)
+            job.fetch = self.fetch_pool(payload.priority).submit(self._fetch, job_id, job)
             self.jobs[job_id] = job
             self.watermarks.hold(record, job_id)
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
@@ -413,7 +413,9 @@ class PrefillWorker(EngineWorker):
         """Store a state of the prompt where a longer prompt that starts with it can resume; with
         `lease`, pinned for this job's decode (its hand-over)."""
         payload, lease_seconds = job.payload, self.lease_seconds if lease else 0
-        return self.save_later(job_id, job.span, payload.tenant, payload.retention, snapshot, lease_seconds)
+        return self.save_later(
+            job_id, job.span, payload.tenant, payload.retention, snapshot, lease_seconds, payload.priority
+        )
 
     def _fail(self, job_id: str, reason: str, span: Span) -> None:
         result = ResultPayload(done=True, status=400, body=error_body(self.jobs[job_id].payload.endpoint, reason))

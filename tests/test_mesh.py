@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 import uuid
 
@@ -40,11 +41,10 @@ def mesh(request, tiny_preset, tmp_path_factory):
     bus.close()
 
 
-def submit(mesh, endpoint: str, body: dict) -> str:
+def submit(mesh, endpoint: str, body: dict, priority: str = "interactive") -> str:
     job_id = uuid.uuid4().hex
-    envelope = Envelope(
-        type="request", job_id=job_id, payload=RequestPayload(endpoint=endpoint, body=body).model_dump()
-    )
+    payload = RequestPayload(endpoint=endpoint, body=body, priority=priority).model_dump()
+    envelope = Envelope(type="request", job_id=job_id, payload=payload)
     mesh.bus.produce(topic_name(Topic.REQUESTS, mesh.prefix), job_id, envelope.encode())
     return job_id
 
@@ -134,6 +134,67 @@ def test_all_three_protocols_complete_and_match_one_process(mesh, tiny_preset):
             texts = [[c.get("text") for c in item.get("content", [])] for item in final.body["output"]]
             assert texts == [[c.get("text") for c in item.get("content", [])] for item in expected["output"]]
     assert mesh.decode.loaded >= 3  # state really went through the cache, not recomputed
+
+
+def test_batch_work_waits_while_an_interactive_job_is_on_its_way_and_answers_in_one_message(mesh, monkeypatch):
+    """Embedded, engines share a thread: from the moment the tokenizer sends an interactive prompt
+    on until its first tokens are back, no engine starts a step with batch work in it. A batch
+    job's answer, which nobody reads before it ends, comes as one results message."""
+    steps: list[tuple[float, bool, set[int]]] = []  # when, held or not, the priorities stepped
+    for worker in (mesh.prefill, mesh.decode):
+        scheduler = worker.engine.scheduler
+
+        def schedule(scheduler=scheduler, original=scheduler.schedule):
+            held, began = scheduler.hold_low_priority, time.monotonic()
+            step = original()
+            if step is not None:
+                steps.append((began, held, {s.params.priority for s in step.seqs}))
+            return step
+
+        monkeypatch.setattr(scheduler, "schedule", schedule)
+    on_the_way: dict[str, list[float]] = {}  # job id: when the tokenizer added it, and took it off
+    way = mesh.tokenizer.on_their_way
+    for name in ("add", "discard"):
+        call = getattr(way, name)
+
+        def noted(job_id: str, call=call) -> None:
+            on_the_way.setdefault(job_id, []).append(time.monotonic())
+            call(job_id)
+
+        monkeypatch.setattr(way, name, noted)
+    body = {**BODIES["chat.completions"], "max_tokens": 40, "temperature": 0}
+    batch = {submit(mesh, "chat.completions", body, priority="batch") for _ in range(6)}
+    deadline = time.monotonic() + 60
+    while not any(1 in kinds and len(kinds) == 1 for _, _, kinds in steps[-3:]):
+        assert time.monotonic() < deadline, "the batch work never stepped"
+        time.sleep(0.01)
+    question = [{"role": "user", "content": f"A question nobody asked before: {uuid.uuid4().hex}"}]
+    interactive = submit(mesh, "chat.completions", {**body, "messages": question, "max_tokens": 4})
+    results = collect(mesh, batch | {interactive})
+    sent, first_token = on_the_way[interactive][0], on_the_way[interactive][1]
+    on_its_way = [(began, held, kinds) for began, held, kinds in steps if sent < began < first_token]
+    assert any(held for _, held, _ in on_its_way), steps  # its own steps, at least, were held ones
+    slack = 0.05  # a step that asked whether to hold just before the prompt was sent on
+    assert all(held and 1 not in kinds for began, held, kinds in on_its_way if began > sent + slack), steps
+    assert any(1 in kinds for began, _, kinds in steps if began > first_token)  # and then it went on
+    for job_id in batch:
+        assert len(results[job_id]) == 1 and results[job_id][0].done and results[job_id][0].status == 200
+
+
+def test_an_interactive_job_loads_and_stores_its_state_past_batch_work(mesh):
+    """Every fetch thread busy with batch jobs' loads and stores (a slow disk under a large batch):
+    an interactive job's own still run at once, on threads of their own."""
+    release = threading.Event()
+    busy = [
+        w.batch_fetcher.submit(release.wait, 60) for w in (mesh.prefill, mesh.decode) for _ in range(w.fetch_threads)
+    ]
+    try:
+        question = [{"role": "user", "content": f"Another new question: {uuid.uuid4().hex}"}]
+        job_id = submit(mesh, "chat.completions", {**BODIES["chat.completions"], "messages": question})
+        assert collect(mesh, {job_id}, timeout=30)[job_id][-1].status == 200
+        assert not any(task.done() for task in busy)  # it went past them
+    finally:
+        release.set()
 
 
 def test_bad_requests_become_failed_results(mesh):

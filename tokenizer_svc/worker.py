@@ -35,7 +35,7 @@ from common.replicas import ReplicaTable
 from common.routing import Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span
-from common.worker import EarlyCancels, Worker
+from common.worker import EarlyCancels, OnTheirWay, Worker
 from tokenizer_svc.protocol import Codec, Event, OutputStream, ProtocolError
 
 
@@ -49,6 +49,9 @@ class _Job:
     started: bool = False  # the response's opening events are out (with the prompt's token counts)
     tenant: str = "default"
     priority: str = "interactive"
+    # a batch job's events so far: nobody reads its answer before it ends, so it goes out as one
+    # results message (not one per poll for the job recorder to store, beside interactive work)
+    held: list[Event] = field(default_factory=list)
 
 
 class TokenizerWorker(Worker):
@@ -62,6 +65,13 @@ class TokenizerWorker(Worker):
         self.prefill_router = Router(replicas, "prefill") if replicas is not None else None
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()  # jobs that ended before their start came
+        # interactive jobs sent to prefill whose first tokens have not come back: while there are
+        # any, engines in this process step no batch work (common/worker.run_workers)
+        self.on_their_way = OnTheirWay()
+
+    @property
+    def urgent(self) -> bool:
+        return bool(self.on_their_way)
 
     def handle(self, records: list[Record]) -> None:
         # a job's tokens messages from one poll become one results message: when the worker
@@ -81,10 +91,17 @@ class TokenizerWorker(Worker):
             except BadMessage as err:
                 self.dead_letter(record, err)
             except OutputFailed as failure:  # this job's answer ends in an error; the poll goes on
+                self.on_their_way.discard(failure.job_id)
                 pending.pop(failure.job_id, None)
                 failed[failure.job_id] = failure.result
                 finished[failure.job_id] = []  # ended: its later records in this poll are skipped
-        results = [self._result(job_id, events, done=False) for job_id, events in pending.items() if events]
+        results = []
+        for job_id, events in pending.items():
+            job = self.jobs.get(job_id)
+            if job is not None and job.priority == "batch":
+                job.held += events
+            elif events:
+                results.append(self._result(job_id, events, done=False))
         results += [
             self._result(job_id, events, done=True) for job_id, events in finished.items() if job_id not in failed
         ]
@@ -98,6 +115,7 @@ class TokenizerWorker(Worker):
             self.watermarks.release(job_id)
 
     def drop(self, job_id: str) -> bool:
+        self.on_their_way.discard(job_id)
         job = self.jobs.pop(job_id, None)
         if job is not None:
             job.span.end()
@@ -135,6 +153,8 @@ class TokenizerWorker(Worker):
         # first the start, then the job: its tokens, which come after the prefill, find it there
         self.hop(Topic.TOKENS, Envelope(type="start", job_id=envelope.job_id, payload=start.model_dump()), span)
         message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
+        if request.priority == "interactive":
+            self.on_their_way.add(envelope.job_id)
         if self.prefill_router is None:
             self.hop(Topic.PREFILL, message, span)
             return
@@ -155,6 +175,7 @@ class TokenizerWorker(Worker):
             return
         if envelope.type == "cancel":  # the job ended upstream, unfinished: nothing more will come
             self.watermarks.seen(record)
+            self.on_their_way.discard(job_id)
             if job_id in finished:  # its end is being sent already
                 return
             if self.drop(job_id):
@@ -178,12 +199,14 @@ class TokenizerWorker(Worker):
                 if not job.started:  # the stream's first message: prefill's, with the prompt's counts
                     events += job.output.start(message.prompt_tokens or 0, message.cached_tokens)
                     job.started = True
+                if message.token_ids or message.finished:  # its first token is here
+                    self.on_their_way.discard(job_id)
                 events += job.output.tokens(message.token_ids[taken:])
                 if message.finished or job.output.complete:
                     if not message.finished:  # a stop sequence ended the answer: decoding the rest is waste
                         self.cancel_everywhere(Topic.DECODE, job_id, job.headers)
                     events += job.output.finish(message.finish_reason or "stop")
-                    finished[job_id] = pending.pop(job_id, []) + events
+                    finished[job_id] = job.held + pending.pop(job_id, []) + events
                     return
         except Exception as err:  # the recipe could not convert this output: it ends this job alone
             self.cancel_everywhere(Topic.DECODE, job_id, job.headers)
