@@ -110,6 +110,9 @@ class Sampling(BaseModel):
     temperature: float = Field(ge=0)
     top_p: float = Field(gt=0, le=1)
     seed: int | None = None
+    # the llguidance grammar every output token must follow (engine/grammar.py): the request's
+    # output constraint, compiled by the tokenizer service (tokenizer_svc/constraints.py)
+    grammar: str | None = None
 
 
 class PrefillPayload(BaseModel):

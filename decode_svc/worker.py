@@ -137,6 +137,7 @@ class DecodeWorker(EngineWorker):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=payload.seed,
+            grammar=sampling.grammar,
             # stored below as where the conversation's next turn can resume; a batch request has none
             # to come, and the copy and the store would cost interactive traffic its cores
             keep_final_state=payload.priority == "interactive",

@@ -44,7 +44,7 @@ class Mesh:
         create_all(bus, topic_prefix, partitions)
         prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
         # one copy of the weights; decode never starts from a prefix, so it keeps none resident
-        decode_options = {**engine_options, "resident_prefix_bytes": 0}
+        decode_options = {**engine_options, "resident_prefix_bytes": 0, "grammars": prefill_engine.grammars}
         decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **decode_options)
         codec = Codec.for_model(model_path, served_model)
         self.store = store

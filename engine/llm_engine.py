@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,6 +15,7 @@ from common.blocks import BLOCK_SIZE
 from engine.backends import keep_freed_memory_in_process, select_backend
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
+from engine.grammar import GrammarCompiler, consume
 from engine.loader import load_model, weights_id
 from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
 from engine.resident_prefixes import ResidentPrefix, ResidentPrefixes
@@ -37,13 +40,16 @@ class LLMEngine:
         resident_prefix_bytes: int = 256 << 20,
         kernel_backend: str | None = None,
         weights: str = "",
+        grammars: GrammarCompiler | None = None,
     ):
         """`weights` names the checkpoint (loader.weights_id): part of the state layout, so that
         state is only ever shared between engines running the same weights.
         `max_low_priority_tokens`: the most tokens a prefill step gives to requests of priority > 0
         (batch work), so that an interactive request arriving meanwhile waits for a short step.
         `resident_prefix_bytes`: how much slot state the resident prefixes may copy (their blocks
-        cost nothing: they are free blocks not yet reused; engine/resident_prefixes.py)."""
+        cost nothing: they are free blocks not yet reused; engine/resident_prefixes.py).
+        `grammars`: compiles requests' output constraints (SamplingParams.grammar) against the
+        model's tokenizer; None: a request with one is refused."""
         self.model = model
         self.config: ModelConfig = model.config
         self.device = model.lm_head.weight.device
@@ -67,6 +73,7 @@ class LLMEngine:
         self.resident = ResidentPrefixes(resident_prefix_bytes)
         self.cache.block_allocator.on_reuse = self.resident.block_reused
         self.sampler = Sampler()
+        self.grammars = grammars
         self.max_num_batched_tokens = max_num_batched_tokens
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -80,7 +87,12 @@ class LLMEngine:
     def from_pretrained(
         cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None, **kwargs
     ) -> LLMEngine:
-        return cls(load_model(path, device=device, dtype=dtype), weights=weights_id(path), **kwargs)
+        model = load_model(path, device=device, dtype=dtype)
+        tokenizer = Path(path) / "tokenizer.json"
+        if "grammars" not in kwargs and tokenizer.is_file():
+            config = model.config
+            kwargs["grammars"] = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids[0])
+        return cls(model, weights=weights_id(path), **kwargs)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -108,6 +120,7 @@ class LLMEngine:
             )
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
+        seq.matcher = self._matcher(sampling_params, [])
         seq.snapshot_at = _snapshot_positions(snapshot_at, len(prompt))
         self._register(seq)
         self.scheduler.add(seq)
@@ -333,8 +346,16 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt + max_tokens exceeds the model's context of {self.max_model_len}")
         seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
         seq.output_token_ids = outputs
+        seq.matcher = self._matcher(sampling_params, outputs)
         self._register(seq)
         return seq
+
+    def _matcher(self, params: SamplingParams, outputs: list[int]) -> Any:
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError("this engine has no tokenizer to enforce an output constraint with")
+        return self.grammars.matcher(params.grammar, outputs)
 
     def _register(self, seq: Sequence) -> None:
         """Hold a new request. Its id may be that of one aborted since the last step (a worker that
@@ -377,8 +398,14 @@ class LLMEngine:
         if not sampled:
             return outputs
         logits = self.model.compute_logits(torch.stack(rows))
-        tokens, logprobs = self.sampler(logits, sampled)
+        matchers = [seq.matcher for seq in sampled]
+        constrain = None
+        if any(m is not None for m in matchers):
+            constrain = functools.partial(self.grammars.constrain, matchers=matchers)
+        tokens, logprobs = self.sampler(logits, sampled, constrain)
         for seq, token, logprob in zip(sampled, tokens, logprobs, strict=True):
+            if seq.matcher is not None:
+                consume(seq.matcher, token)
             seq.output_token_ids.append(token)
             seq.output_logprobs.append(logprob)
             reason = self._finish_reason(seq, token)

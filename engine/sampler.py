@@ -7,6 +7,8 @@ with them, and a preempted request resumes on exactly the stream it left.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.sequence import Sequence
@@ -24,11 +26,17 @@ def counter_uniform(seed: int, position: int) -> float:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], constrain: Callable[[torch.Tensor], None] | None = None
+    ) -> tuple[list[int], list[float]]:
         """logits [B, V] (fp32) for the next token of each sequence -> (token ids, their logprobs).
+        `constrain`: sets the logits of the tokens grammars refuse to -inf, in place (engine/grammar.py).
 
-        Logprobs are those of the model's own distribution, before temperature and filters.
+        Logprobs are those of the model's own distribution, before temperature, filters and grammars.
         """
+        normalizer = logits.logsumexp(dim=-1)  # before a grammar masks anything
+        if constrain is not None:
+            constrain(logits)  # the chosen token is always an allowed one: its logit stays as it was
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:
@@ -42,8 +50,11 @@ class Sampler:
             u = [counter_uniform(seqs[i].seed, seqs[i].num_tokens) for i in random_rows]
             u = torch.tensor(u, dtype=cdf.dtype, device=logits.device).unsqueeze(1) * cdf[:, -1:]
             picked = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
+            # float rounding at the edge of the cdf can land on a refused token: the best allowed one then
+            refused = logits[rows].gather(1, picked.unsqueeze(1)).squeeze(1).isinf()
+            picked = torch.where(refused, tokens[rows], picked)
             tokens[rows] = picked
-        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - normalizer
         return tokens.tolist(), chosen.tolist()
 
 

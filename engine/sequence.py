@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
 
@@ -34,6 +34,8 @@ class SamplingParams:
     # 0 runs first; a request of a larger number runs in what those of smaller ones leave free
     # (batch work is 1): it is admitted after them and preempted before them
     priority: int = 0
+    # an llguidance grammar (engine/grammar.py) every output token must follow, or None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -78,6 +80,7 @@ class Sequence:
     # prompt positions (ascending) after which the engine hands back a copy of the state, so a
     # prefix cache can store it; a prefill chunk ends at each of them
     snapshot_at: list[int] = field(default_factory=list)
+    matcher: Any = None  # params.grammar's llguidance matcher, at the output so far
     # the final hidden state of the last computed token (a row of the step that computed it)
     last_hidden: torch.Tensor | None = None
 

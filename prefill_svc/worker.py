@@ -146,6 +146,7 @@ class PrefillWorker(EngineWorker):
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 seed=sampling.seed,
+                grammar=sampling.grammar,
                 keep_final_state=True,  # a job done at its first token still leaves its prompt's state
                 prefix_namespace=payload.tenant,
                 priority=ENGINE_PRIORITY[payload.priority],

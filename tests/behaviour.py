@@ -22,10 +22,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Literal
 
 import anthropic
 import httpx
 import openai
+import pydantic
 import pytest
 import uvicorn
 from tokenizers import Tokenizer
@@ -254,6 +256,22 @@ def protocol_error_message(path: str, body: dict) -> str:
     return body["error"]["message"]
 
 
+class City(pydantic.BaseModel):
+    """A structured answer, bounded so that a random-weight model under its grammar finishes it
+    (a pattern: strict mode drops maxLength, as OpenAI's strict subset has none)."""
+
+    name: str = pydantic.Field(pattern=r"^[A-Za-z ]{1,12}$")
+    population: int = pydantic.Field(ge=0, le=10_000_000)
+    coastal: bool
+    kind: Literal["town", "city"]
+
+
+def reply_parsed(oai: openai.OpenAI) -> City | None:
+    """The non-streamed parse of the same greedy request, to compare the streamed one with."""
+    reply = oai.chat.completions.parse(model=MODEL, messages=QUESTION, response_format=City, max_tokens=120, **GREEDY)
+    return reply.choices[0].message.parsed
+
+
 class SDKClients:
     """The official SDKs pointed at the gateway under test (subclasses say which, as `url`)."""
 
@@ -284,6 +302,40 @@ class GatewayBehaviour(SDKClients):
         assert chunks[0].choices[0].delta.role == "assistant"
         assert chunks[-1].choices[0].finish_reason == "length"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+
+    def test_structured_outputs_follow_their_schema_stream_and_not(self, oai):
+        """A pydantic model as `chat.completions.parse` and `responses.parse` send it (strict
+        json_schema): the random-weight model's answer validates, streamed or not, because the
+        engine decodes under the schema's grammar; json_object gives JSON."""
+        in_json = [{"role": "user", "content": "Name a city, in JSON."}]  # json_object asks for the word
+        for response_format in (City, {"type": "json_object"}):
+            reply = oai.chat.completions.parse(
+                model=MODEL, messages=in_json, response_format=response_format, max_tokens=120, **GREEDY
+            )
+            assert reply.choices[0].finish_reason == "stop", reply
+            if response_format is City:
+                assert isinstance(reply.choices[0].message.parsed, City)
+            else:
+                json.loads(reply.choices[0].message.content)
+        with oai.chat.completions.stream(
+            model=MODEL, messages=QUESTION, response_format=City, max_tokens=120, **GREEDY
+        ) as stream:
+            streamed = stream.get_final_completion()
+        assert streamed.choices[0].message.parsed == reply_parsed(oai)
+        answer = oai.responses.parse(  # effort "none": Responses' way to turn thinking off
+            model=MODEL, input="Name a city.", text_format=City, max_output_tokens=120, reasoning={"effort": "none"}
+        )
+        assert isinstance(answer.output_parsed, City), answer
+
+    def test_an_output_constraint_that_cannot_be_enforced_is_a_400_naming_why(self, oai):
+        schema = {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}
+        with pytest.raises(openai.BadRequestError, match="if"):
+            oai.chat.completions.create(
+                model=MODEL,
+                messages=QUESTION,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                **GREEDY,
+            )
 
     def test_responses_stream_and_not(self, oai):
         # greedy: a sampled answer of a random-weight model may end early, at a sampled end of sequence

@@ -24,6 +24,7 @@ import deepseek_recipe as recipe
 from tokenizers import Tokenizer
 
 from common.api import error_body, protocol_problem
+from tokenizer_svc.constraints import ConstraintError, output_grammar
 
 ENDPOINTS = {  # endpoint -> (request type, response type); response ids: common.api.response_id
     "chat.completions": (recipe.ChatCompletionRequest, recipe.ChatCompletionResponse),
@@ -52,6 +53,7 @@ class Prompt:
     top_p: float
     seed: int | None
     stream: bool
+    grammar: str | None = None  # the output constraint the engine enforces (tokenizer_svc/constraints.py)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Codec:
         self.served_models = list(served_models)
         self.context_limit = context_limit
         self.stop_ids = set(stop_ids)
+        self.think_start = self.decoder.token_to_id("<think>")
         self.think_end = self.decoder.token_to_id("</think>")
 
     @classmethod
@@ -123,6 +126,7 @@ class Codec:
             temperature = options.temperature if options.temperature is not None else 1.0
             top_p = options.top_p if options.top_p is not None else 1.0
             seed = options.seed
+            constraint = options.output_constraint
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
         except Exception as err:
@@ -131,6 +135,13 @@ class Codec:
             raise ProtocolError(400, _error_body(endpoint, f"temperature must be a number >= 0, not {temperature}"))
         if not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise ProtocolError(400, _error_body(endpoint, f"top_p must be in (0, 1], not {top_p}"))
+        grammar = None
+        if constraint is not None:
+            thinking = bool(token_ids) and token_ids[-1] == self.think_start  # reasoning first, then the answer
+            try:
+                grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.think_end)
+            except ConstraintError as err:
+                raise ProtocolError(400, _error_body(endpoint, str(err))) from err
         return Prompt(
             model=model,
             token_ids=list(token_ids),
@@ -139,6 +150,7 @@ class Codec:
             top_p=top_p,
             seed=seed,
             stream=conversation_request.stream,
+            grammar=grammar,
         )
 
     def output(self, endpoint: str, body: dict[str, Any] | bytes | str, response_id: str) -> OutputStream:

@@ -136,7 +136,11 @@ class TokenizerWorker(Worker):
                 endpoint=request.endpoint,
                 prompt_token_ids=prompt.token_ids,
                 sampling=Sampling(
-                    max_tokens=prompt.max_tokens, temperature=prompt.temperature, top_p=prompt.top_p, seed=prompt.seed
+                    max_tokens=prompt.max_tokens,
+                    temperature=prompt.temperature,
+                    top_p=prompt.top_p,
+                    seed=prompt.seed,
+                    grammar=prompt.grammar,
                 ),
                 tenant=request.tenant,
                 retention=request.retention or DEFAULT_RETENTION[request.endpoint],

@@ -1,0 +1,117 @@
+"""Structured outputs in the engine: requests decoded under their grammar, beside unconstrained
+ones, on the random-weight tiny model; and the constraints the tokenizer service compiles."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pydantic
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from tests.conftest import random_prompts
+from tokenizer_svc.constraints import MAX_SCHEMA_DEPTH, ConstraintError, output_grammar
+
+THINK_END = 128822  # </think> in the V4 tokenizer
+
+
+class Order(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # additionalProperties: false, as strict mode sends
+    item: str = pydantic.Field(pattern=r"^[a-z]{1,8}$")
+    quantity: int = pydantic.Field(ge=1, le=99)
+    express: bool
+    size: Literal["s", "m", "l"]
+
+
+class Reading(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    sensor: Literal["a", "b"]
+    celsius: int = pydantic.Field(ge=-40, le=60)  # a float's digits are unbounded
+    ok: bool
+
+
+MODELS: list[type[pydantic.BaseModel]] = [Order, Reading]
+
+
+def grammar_of(model: type[pydantic.BaseModel], thinking: bool = False) -> str:
+    grammar = output_grammar("json", json.dumps(model.model_json_schema()), thinking, THINK_END)
+    assert grammar is not None
+    return grammar
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_preset) -> LLMEngine:
+    return LLMEngine.from_pretrained(tiny_preset, max_num_seqs=16, max_num_batched_tokens=1024)
+
+
+def requests() -> list[tuple[list[int], SamplingParams, type[pydantic.BaseModel] | None]]:
+    """16 requests: half under one of two schemas, greedy or seeded sampling; half free."""
+    prompts = random_prompts([5 + 7 * i for i in range(16)], vocab=20_000, seed=11)
+    made = []
+    for i, prompt in enumerate(prompts):
+        model = MODELS[i % 2] if i % 2 == 0 or i < 8 else None
+        sampled = {"temperature": 0.8, "seed": i} if i % 3 == 0 else {"temperature": 0}
+        grammar = grammar_of(model) if model is not None else None
+        made.append((prompt, SamplingParams(max_tokens=60, grammar=grammar, **sampled), model))
+    return made
+
+
+def test_a_batch_of_constrained_and_free_requests_decodes_each_as_alone_and_valid(engine, tiny_preset):
+    batch = requests()
+    together = engine.generate([p for p, _, _ in batch], [params for _, params, _ in batch])
+    alone = LLMEngine.from_pretrained(tiny_preset, max_num_seqs=1)
+    decoder = engine.grammars.tokenizer
+    for (prompt, params, model), out in zip(batch, together, strict=True):
+        assert out.token_ids == alone.generate([prompt], params)[0].token_ids
+        if model is not None:  # ends at the end of sequence, right after a valid answer
+            assert out.finish_reason == "stop", decoder.decode_str(out.token_ids)
+            model.model_validate_json(decoder.decode_str(out.token_ids[:-1]))
+
+
+def test_a_constrained_request_continued_from_its_tokens_goes_on_where_it_was(engine, tiny_preset):
+    """What decode does after a hand-over or a kill: a new engine, the output so far, the rest."""
+    prompt = random_prompts([40], vocab=20_000, seed=3)[0]
+    params = SamplingParams(max_tokens=60, temperature=0.8, seed=5, grammar=grammar_of(Order))
+    whole = engine.generate([prompt], params)[0].token_ids
+    other = LLMEngine.from_pretrained(tiny_preset, max_num_seqs=1)
+    other.resume("r", prompt, whole[:7], params, seed=5)
+    rest: list[int] = []
+    while other.has_unfinished_requests():
+        rest += [t for out in other.step() for t in out.new_token_ids]
+    assert whole[:7] + rest == whole
+
+
+def test_thinking_mode_reasons_freely_then_answers_under_the_schema(engine):
+    grammar = grammar_of(Reading, thinking=True)
+    matcher = engine.grammars.matcher(grammar, [])
+    tokenizer = engine.grammars.tokenizer
+    reasoning = tokenizer.tokenize_str("Let me think: {not json} at all.")
+    answer = tokenizer.tokenize_str('{"sensor":"a","celsius":21,"ok":true}')
+    assert matcher.consume_tokens([*reasoning, THINK_END, *answer])
+    assert matcher.is_accepting()
+    refused = engine.grammars.matcher(grammar, [])
+    assert not refused.consume_tokens([*reasoning, THINK_END, *tokenizer.tokenize_str("no json")])
+
+
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, '"if"'),
+        ({"$ref": "https://example.com/remote.json"}, "https://example.com/remote.json"),
+        ({"type": "strng"}, "strng"),
+        (["not", "an", "object"], "must be an object"),
+    ],
+)
+def test_a_constraint_that_cannot_be_enforced_names_why(schema, named):
+    with pytest.raises(ConstraintError, match=None) as refused:
+        output_grammar("json", json.dumps(schema), False, THINK_END)
+    assert named in str(refused.value)
+
+
+def test_a_schema_nested_past_the_bound_is_refused_before_compiling():
+    schema: dict = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH):
+        schema = {"type": "object", "properties": {"x": schema}}
+    with pytest.raises(ConstraintError, match="nests deeper"):
+        output_grammar("json", json.dumps(schema), False, THINK_END)
