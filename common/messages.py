@@ -105,6 +105,10 @@ class RequestPayload(BaseModel):
     priority: Priority = "interactive"  # batch work runs in what interactive work leaves free
 
 
+# a token's logprob, and the most likely tokens at its position as (token id, logprob)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
 class Sampling(BaseModel):
     max_tokens: int = Field(ge=1)
     temperature: float = Field(ge=0)
@@ -113,6 +117,8 @@ class Sampling(BaseModel):
     # the llguidance grammar every output token must follow (engine/grammar.py): the request's
     # output constraint, compiled by the tokenizer service (tokenizer_svc/constraints.py)
     grammar: str | None = None
+    # each token's logprob and its `logprobs` most likely alternatives (0 to 20); None: none
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class PrefillPayload(BaseModel):
@@ -144,6 +150,7 @@ class DecodePayload(BaseModel):
     endpoint: Endpoint
     prompt_token_ids: list[int] = Field(min_length=1)
     first_token: int
+    first_logprobs: TokenLogprobs | None = None  # when the request asked (Sampling.logprobs)
     seed: int
     sampling: Sampling
     kv: KVHandle | None = None  # None or unusable: decode recomputes from the tokens
@@ -185,6 +192,7 @@ class TokensPayload(BaseModel):
     prompt_tokens: int | None = None  # seq 0
     cached_tokens: int = 0  # seq 0: prompt tokens served from the KV cache
     token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked (Sampling.logprobs)
     finished: bool = False
     finish_reason: Literal["stop", "length", "abort"] | None = None
 

@@ -138,6 +138,7 @@ class DecodeWorker(EngineWorker):
             top_p=sampling.top_p,
             seed=payload.seed,
             grammar=sampling.grammar,
+            logprobs=sampling.logprobs,
             # stored below as where the conversation's next turn can resume; a batch request has none
             # to come, and the copy and the store would cost interactive traffic its cores
             keep_final_state=payload.priority == "interactive",
@@ -169,6 +170,7 @@ class DecodeWorker(EngineWorker):
             prompt_tokens=len(payload.prompt_token_ids),
             cached_tokens=payload.cached_tokens,
             token_ids=[payload.first_token],
+            logprobs=[payload.first_logprobs] if payload.first_logprobs is not None else None,
         )
         self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=seq0.model_dump()), job.span)
 
@@ -218,7 +220,12 @@ class DecodeWorker(EngineWorker):
             if job is None or job.fetch is not None:  # not (yet) in the engine: the output of one dropped before
                 continue
             metrics.GENERATED_TOKENS.labels(self.group).inc(len(out.new_token_ids))
-            tokens = TokensPayload(token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason)
+            tokens = TokensPayload(
+                token_ids=out.new_token_ids,
+                logprobs=out.token_logprobs(),
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+            )
             step.append((self._tokens_message(job, out.request_id, tokens), job.headers))
             if out.finished:
                 finished.append((out.request_id, job, out.finish_reason or "stop", out.final_state))

@@ -402,8 +402,8 @@ class LLMEngine:
         constrain = None
         if any(m is not None for m in matchers):
             constrain = functools.partial(self.grammars.constrain, matchers=matchers)
-        tokens, logprobs = self.sampler(logits, sampled, constrain)
-        for seq, token, logprob in zip(sampled, tokens, logprobs, strict=True):
+        tokens, logprobs, tops = self.sampler(logits, sampled, constrain)
+        for seq, token, logprob, top in zip(sampled, tokens, logprobs, tops, strict=True):
             if seq.matcher is not None:
                 consume(seq.matcher, token)
             seq.output_token_ids.append(token)
@@ -425,6 +425,7 @@ class LLMEngine:
                     finish_reason=reason,
                     num_prompt_tokens=len(seq.prompt_token_ids),
                     final_state=final_state,
+                    new_top_logprobs=[top] if top is not None else None,
                 )
             )
         return outputs

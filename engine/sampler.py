@@ -28,13 +28,15 @@ def counter_uniform(seed: int, position: int) -> float:
 class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], constrain: Callable[[torch.Tensor], None] | None = None
-    ) -> tuple[list[int], list[float]]:
-        """logits [B, V] (fp32) for the next token of each sequence -> (token ids, their logprobs).
+    ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
+        """logits [B, V] (fp32) for the next token of each sequence -> (token ids, their logprobs,
+        and for sequences that ask (params.logprobs) the most likely tokens with theirs).
         `constrain`: sets the logits of the tokens grammars refuse to -inf, in place (engine/grammar.py).
 
         Logprobs are those of the model's own distribution, before temperature, filters and grammars.
         """
         normalizer = logits.logsumexp(dim=-1)  # before a grammar masks anything
+        tops = _top_logprobs(logits, normalizer, seqs)
         if constrain is not None:
             constrain(logits)  # the chosen token is always an allowed one: its logit stays as it was
         tokens = logits.argmax(dim=-1)
@@ -55,7 +57,27 @@ class Sampler:
             picked = torch.where(refused, tokens[rows], picked)
             tokens[rows] = picked
         chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - normalizer
-        return tokens.tolist(), chosen.tolist()
+        return tokens.tolist(), chosen.tolist(), tops
+
+
+def _top_logprobs(
+    logits: torch.Tensor, normalizer: torch.Tensor, seqs: list[Sequence]
+) -> list[list[tuple[int, float]] | None]:
+    """The `params.logprobs` most likely tokens of each row that asks, with their logprobs."""
+    tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
+    asking = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
+    if asking:
+        rows = torch.tensor(asking, device=logits.device)
+        k = max(seqs[i].params.logprobs or 0 for i in asking)
+        values, ids = logits[rows].topk(k, dim=-1)
+        values = (values - normalizer[rows].unsqueeze(1)).tolist()
+        for n, i in enumerate(asking):
+            keep = seqs[i].params.logprobs or 0
+            tops[i] = list(zip(ids[n, :keep].tolist(), values[n][:keep], strict=True))
+    for i, seq in enumerate(seqs):
+        if seq.params.logprobs == 0:
+            tops[i] = []
+    return tops
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -36,6 +36,8 @@ class SamplingParams:
     priority: int = 0
     # an llguidance grammar (engine/grammar.py) every output token must follow, or None
     grammar: str | None = None
+    # with each token, its logprob's `logprobs` most likely alternatives (0 to 20); None: none
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -48,6 +50,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+            raise InvalidRequestError(f"logprobs must be an integer from 0 to 20, got {self.logprobs!r}")
         self.stop_token_ids = list(self.stop_token_ids)
 
     @property
@@ -120,6 +124,14 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     final_state: StateSnapshot | None = None  # with keep_final_state, when the request stops or reaches its length
     prefix_state: StateSnapshot | None = None  # the state at one of the request's snapshot_at positions
+    # with SamplingParams.logprobs: per new token, the most likely tokens and their logprobs
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    def token_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """Per new token, its logprob and the most likely tokens; None unless the request asked."""
+        if self.new_top_logprobs is None:
+            return None
+        return list(zip(self.new_logprobs, self.new_top_logprobs, strict=True))
 
 
 @dataclass

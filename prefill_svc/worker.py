@@ -58,6 +58,7 @@ class _HandOver:
     """A prefilled job on its way to decode: its state is being stored (out of the engine)."""
 
     first_token: int
+    first_logprobs: tuple[float, list[tuple[int, float]]] | None
     seed: int
     layout: str
     stored: Future[Stored | None]
@@ -147,6 +148,7 @@ class PrefillWorker(EngineWorker):
                 top_p=sampling.top_p,
                 seed=sampling.seed,
                 grammar=sampling.grammar,
+                logprobs=sampling.logprobs,
                 keep_final_state=True,  # a job done at its first token still leaves its prompt's state
                 prefix_namespace=payload.tenant,
                 priority=ENGINE_PRIORITY[payload.priority],
@@ -323,6 +325,7 @@ class PrefillWorker(EngineWorker):
                 prompt_tokens=len(prompt),
                 cached_tokens=job.cached_tokens,
                 token_ids=[first],
+                logprobs=out.token_logprobs(),
                 finished=True,
                 finish_reason=out.finish_reason,
             )
@@ -337,7 +340,8 @@ class PrefillWorker(EngineWorker):
         self.engine.abort(job_id)  # its state is in the snapshot: the engine's room is free now
         # The prompt's anchor is also the hand-over: leased to this job until decode has loaded it.
         stored = self._store_prefix(job_id, job, snapshot, lease=True)
-        job.hand_over = _HandOver(first, seed, snapshot.layout, stored)
+        logprobs = out.token_logprobs()
+        job.hand_over = _HandOver(first, logprobs[0] if logprobs else None, seed, snapshot.layout, stored)
 
     def _send_stored(self) -> None:
         """Send every job whose hand-over is stored (or failed to be: decode then recomputes it)
@@ -371,6 +375,7 @@ class PrefillWorker(EngineWorker):
             endpoint=job.payload.endpoint,
             prompt_token_ids=job.payload.prompt_token_ids,
             first_token=hand_over.first_token,
+            first_logprobs=hand_over.first_logprobs,
             seed=hand_over.seed,
             sampling=job.payload.sampling,
             kv=kv,

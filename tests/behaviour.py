@@ -327,6 +327,44 @@ class GatewayBehaviour(SDKClients):
         )
         assert isinstance(answer.output_parsed, City), answer
 
+    def test_logprobs_are_the_models_own_stream_and_not(self, service, oai):
+        """`logprobs` / `top_logprobs` as the SDK parses them: each token's logprob and its three
+        most likely alternatives equal engine.score's over the same tokens (an independent pass
+        over the whole sequence), and the bytes spell the answer."""
+        request = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "logprobs": True, "top_logprobs": 3}
+        reply = oai.chat.completions.create(**request, **GREEDY)
+        content = reply.choices[0].logprobs.content
+        assert b"".join(bytes(entry.bytes) for entry in content) == reply.choices[0].message.content.encode()
+        streamed = [
+            entry
+            for chunk in oai.chat.completions.create(**request, stream=True, **GREEDY)
+            if chunk.choices and chunk.choices[0].logprobs
+            for entry in chunk.choices[0].logprobs.content
+        ]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+        codec = Codec.for_model(service.model, MODEL)
+        prompt = codec.prompt("chat.completions", {**request, **GREEDY["extra_body"], "temperature": 0}).token_ids
+        engine = LLMEngine.from_pretrained(service.model)
+        tokens = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+        scored = engine.score(prompt + tokens[:-1])[len(prompt) - 1 :].log_softmax(dim=-1)
+        assert len(content) == len(tokens)
+        for position, (entry, token) in enumerate(zip(content, tokens, strict=True)):
+            assert abs(entry.logprob - scored[position, token].item()) < 1e-4
+            best = scored[position].topk(3).values.tolist()
+            assert [alternative.logprob for alternative in entry.top_logprobs] == pytest.approx(best, abs=1e-4)
+        answer = oai.responses.create(  # Responses: asked for with `include`
+            model=MODEL,
+            input=QUESTION,
+            max_output_tokens=8,
+            include=["message.output_text.logprobs"],
+            top_logprobs=3,
+            temperature=0,
+            reasoning={"effort": "none"},
+        )
+        text = answer.output[-1].content[0]
+        assert [e.token for e in text.logprobs] == [e.token for e in content]
+        assert [e.logprob for e in text.logprobs] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
     def test_an_output_constraint_that_cannot_be_enforced_is_a_400_naming_why(self, oai):
         schema = {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}
         with pytest.raises(openai.BadRequestError, match="if"):

@@ -38,7 +38,7 @@ def test_sampled_frequencies_follow_the_distribution():
     n = 3000
     for seed in range(n):
         seq = Sequence("r", [1], SamplingParams(temperature=1.0), seed=seed, arrival=0)
-        token, logprob = sampler(logits.clone(), [seq])
+        token, logprob, _ = sampler(logits.clone(), [seq])
         counts[token[0]] += 1
         assert math.isclose(logprob[0], math.log(probs[token[0]].item()), abs_tol=1e-5)
     for count, p in zip(counts, probs.tolist(), strict=True):
@@ -48,5 +48,5 @@ def test_sampled_frequencies_follow_the_distribution():
 def test_greedy_rows_ignore_the_random_stream():
     logits = torch.tensor([[0.1, 2.0, 0.3], [0.1, 2.0, 0.3]])
     greedy = Sequence("g", [1], SamplingParams(temperature=0), seed=1, arrival=0)
-    tokens, _ = Sampler()(logits, [greedy, greedy])
+    tokens, _, _ = Sampler()(logits, [greedy, greedy])
     assert tokens == [1, 1]

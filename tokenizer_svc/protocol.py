@@ -54,6 +54,7 @@ class Prompt:
     seed: int | None
     stream: bool
     grammar: str | None = None  # the output constraint the engine enforces (tokenizer_svc/constraints.py)
+    logprobs: int | None = None  # each token's logprob and this many alternatives (0 to 20); None: none
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class Codec:
             top_p = options.top_p if options.top_p is not None else 1.0
             seed = options.seed
             constraint = options.output_constraint
+            logprobs = (options.top_logprobs or 0) if options.logprobs else None
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
         except Exception as err:
@@ -151,6 +153,7 @@ class Codec:
             seed=seed,
             stream=conversation_request.stream,
             grammar=grammar,
+            logprobs=logprobs,
         )
 
     def output(self, endpoint: str, body: dict[str, Any] | bytes | str, response_id: str) -> OutputStream:
@@ -204,8 +207,9 @@ class OutputStream:
         the caller should then stop generating."""
         return self.processor.finished
 
-    def tokens(self, token_ids: Sequence[int]) -> list[Event]:
-        """Feed generated tokens; the engine's stop tokens end the output and are not shown.
+    def tokens(self, token_ids: Sequence[int], logprobs: Sequence[Any] | None = None) -> list[Event]:
+        """Feed generated tokens (with, when the request asked, each one's logprob and most likely
+        alternatives); the engine's stop tokens end the output and are not shown.
 
         One token per push: the recipe's processor does not always give the same output for
         tokens pushed together as for the same tokens pushed one by one (a group holding a
@@ -213,14 +217,15 @@ class OutputStream:
         on timing. One at a time, an answer is the same however it arrived.
         """
         events: list[Event] = []
-        for token in token_ids:
+        for i, token in enumerate(token_ids):
             if self.complete:
                 break
             if token not in self.stop_ids:
                 if self.reasoning:  # counted as generated: the end of reasoning is reasoning's last token
                     self.reasoning_tokens += 1
                     self.reasoning = token != self.think_end
-                events += self._events(self.processor.push(recipe.InferenceChunk.tokens([token])))
+                chunk = recipe.InferenceChunk.tokens([token], [logprobs[i]] if logprobs is not None else None)
+                events += self._events(self.processor.push(chunk))
                 self.unsettled.append(token)
                 if not self.decoder.decode(self.unsettled).endswith("\ufffd"):
                     self.unsettled.clear()

@@ -141,6 +141,7 @@ class TokenizerWorker(Worker):
                     top_p=prompt.top_p,
                     seed=prompt.seed,
                     grammar=prompt.grammar,
+                    logprobs=prompt.logprobs,
                 ),
                 tenant=request.tenant,
                 retention=request.retention or DEFAULT_RETENTION[request.endpoint],
@@ -205,7 +206,8 @@ class TokenizerWorker(Worker):
                     job.started = True
                 if message.token_ids or message.finished:  # its first token is here
                     self.on_their_way.discard(job_id)
-                events += job.output.tokens(message.token_ids[taken:])
+                logprobs = message.logprobs[taken:] if message.logprobs is not None else None
+                events += job.output.tokens(message.token_ids[taken:], logprobs)
                 if message.finished or job.output.complete:
                     if not message.finished:  # a stop sequence ended the answer: decoding the rest is waste
                         self.cancel_everywhere(Topic.DECODE, job_id, job.headers)
