@@ -21,7 +21,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.make_model import make_model
-from tokenizer_svc.constraints import output_grammar
+from tokenizer_svc.constraints import Markup, output_grammar
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = {  # an answer that cannot end before the tokens run out: as many tokens as a free run
@@ -61,7 +61,7 @@ def main() -> None:
     engine = LLMEngine.from_pretrained(args.model, max_num_seqs=args.batch)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1000, 50_000, (40,), generator=generator).tolist() for _ in range(args.batch)]
-    grammar = output_grammar("json", json.dumps(SCHEMA), thinking=False, think_end_id=0)
+    grammar = output_grammar("json", json.dumps(SCHEMA), thinking=False, markup=Markup(think_end=0, dsml=0))
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0, grammar=grammar)
     decode_rate(engine, prompts[:2], free)  # warm up

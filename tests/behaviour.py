@@ -266,6 +266,13 @@ class City(pydantic.BaseModel):
     kind: Literal["town", "city"]
 
 
+class Forecast(pydantic.BaseModel):
+    """A tool's arguments, bounded as City is."""
+
+    city: Literal["Paris", "Oslo"]
+    days: int = pydantic.Field(ge=1, le=9)
+
+
 def reply_parsed(oai: openai.OpenAI) -> City | None:
     """The non-streamed parse of the same greedy request, to compare the streamed one with."""
     reply = oai.chat.completions.parse(model=MODEL, messages=QUESTION, response_format=City, max_tokens=120, **GREEDY)
@@ -326,6 +333,33 @@ class GatewayBehaviour(SDKClients):
             model=MODEL, input="Name a city.", text_format=City, max_output_tokens=120, reasoning={"effort": "none"}
         )
         assert isinstance(answer.output_parsed, City), answer
+
+    def test_forced_and_strict_tool_calls_follow_their_schema(self, oai, claude):
+        """A strict tool the call must use (`required`, or named), as `pydantic_function_tool`
+        makes it: the random-weight model's call parses into the model, streamed or not, because
+        the engine decodes under a grammar of DeepSeek-V4's tool-call markup; Anthropic's named
+        tool too."""
+        tool = openai.pydantic_function_tool(Forecast, name="forecast")
+        for choice in ("required", {"type": "function", "function": {"name": "forecast"}}):
+            reply = oai.chat.completions.parse(
+                model=MODEL, messages=QUESTION, tools=[tool], tool_choice=choice, max_tokens=100, **GREEDY
+            )
+            assert reply.choices[0].finish_reason == "tool_calls", reply
+            assert isinstance(reply.choices[0].message.tool_calls[0].function.parsed_arguments, Forecast)
+        with oai.chat.completions.stream(
+            model=MODEL, messages=QUESTION, tools=[tool], tool_choice="required", max_tokens=100, **GREEDY
+        ) as stream:
+            streamed = stream.get_final_completion()
+        assert isinstance(streamed.choices[0].message.tool_calls[0].function.parsed_arguments, Forecast)
+        message = claude.messages.create(
+            model=MODEL,
+            max_tokens=100,
+            messages=QUESTION,
+            tools=[{"name": "forecast", "input_schema": Forecast.model_json_schema()}],
+            tool_choice={"type": "tool", "name": "forecast"},
+            extra_body={"temperature": 0, **GREEDY["extra_body"]},
+        )
+        Forecast.model_validate(next(block for block in message.content if block.type == "tool_use").input)
 
     def test_logprobs_are_the_models_own_stream_and_not(self, service, oai):
         """`logprobs` / `top_logprobs` as the SDK parses them: each token's logprob and its three

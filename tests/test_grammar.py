@@ -11,9 +11,10 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from tests.conftest import random_prompts
-from tokenizer_svc.constraints import MAX_SCHEMA_DEPTH, ConstraintError, output_grammar
+from tokenizer_svc.constraints import MAX_SCHEMA_DEPTH, ConstraintError, Markup, output_grammar
 
 THINK_END = 128822  # </think> in the V4 tokenizer
+MARKUP = Markup(think_end=THINK_END, dsml=128825)
 
 
 class Order(pydantic.BaseModel):
@@ -35,7 +36,7 @@ MODELS: list[type[pydantic.BaseModel]] = [Order, Reading]
 
 
 def grammar_of(model: type[pydantic.BaseModel], thinking: bool = False) -> str:
-    grammar = output_grammar("json", json.dumps(model.model_json_schema()), thinking, THINK_END)
+    grammar = output_grammar("json", json.dumps(model.model_json_schema()), thinking, MARKUP)
     assert grammar is not None
     return grammar
 
@@ -105,7 +106,7 @@ def test_thinking_mode_reasons_freely_then_answers_under_the_schema(engine):
 )
 def test_a_constraint_that_cannot_be_enforced_names_why(schema, named):
     with pytest.raises(ConstraintError, match=None) as refused:
-        output_grammar("json", json.dumps(schema), False, THINK_END)
+        output_grammar("json", json.dumps(schema), False, MARKUP)
     assert named in str(refused.value)
 
 
@@ -114,4 +115,58 @@ def test_a_schema_nested_past_the_bound_is_refused_before_compiling():
     for _ in range(MAX_SCHEMA_DEPTH):
         schema = {"type": "object", "properties": {"x": schema}}
     with pytest.raises(ConstraintError, match="nests deeper"):
-        output_grammar("json", json.dumps(schema), False, THINK_END)
+        output_grammar("json", json.dumps(schema), False, MARKUP)
+
+
+FORECAST = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def markup_tokens(engine: LLMEngine, *pieces: str | int) -> list[int]:
+    """Text pieces tokenized, ints as they are: the ｜DSML｜ special token between them."""
+    tokenize = engine.grammars.tokenizer.tokenize_str
+    return [t for piece in pieces for t in ([piece] if isinstance(piece, int) else tokenize(piece))]
+
+
+def call(engine: LLMEngine, city: str, days: str) -> list[int]:
+    dsml = MARKUP.dsml
+    return markup_tokens(
+        engine,
+        "<", dsml, 'invoke name="forecast">\n',
+        "<", dsml, f'parameter name="city" string="true">{city}', "</", dsml, "parameter>\n",
+        "<", dsml, f'parameter name="days" string="false">{days}', "</", dsml, "parameter>\n",
+        "</", dsml, "invoke>\n", "</", dsml, "tool_calls>",
+    )  # fmt: skip
+
+
+def test_a_strict_tool_the_model_may_call_constrains_only_its_call(engine):
+    """tool_choice auto with a strict tool: a text answer, or text and then calls that follow the
+    schema, in DeepSeek-V4's markup; a call outside the schema is refused."""
+    tools = json.dumps([{"type": "function", "function": {"name": "forecast", "parameters": FORECAST, "strict": True}}])
+    grammar = output_grammar("tool_call", tools, False, MARKUP)
+    assert grammar is not None
+    text_only = engine.grammars.matcher(grammar, [])
+    assert text_only.consume_tokens(markup_tokens(engine, "It is sunny <b>today</b>.")) and text_only.is_accepting()
+    opening = markup_tokens(engine, "Let me look.\n\n", "<", MARKUP.dsml, "tool_calls>\n")
+    with_call = engine.grammars.matcher(grammar, [])
+    assert with_call.consume_tokens(opening + call(engine, "Paris", "3")) and with_call.is_accepting()
+    for city, days in (("Rome", "3"), ("Paris", "12")):  # not in the enum; past the maximum
+        assert not engine.grammars.matcher(grammar, []).consume_tokens(opening + call(engine, city, days))
+
+
+def test_tools_none_of_which_is_strict_chosen_freely_are_not_constrained():
+    tools = json.dumps([{"type": "function", "function": {"name": "forecast", "parameters": FORECAST}}])
+    assert output_grammar("tool_call", tools, False, MARKUP) is None
+    forced = output_grammar("tool_call_required", tools, False, MARKUP)  # a call it must make: constrained
+    assert forced is not None
+
+
+def test_a_string_format_in_a_tool_call_is_refused_not_ignored():
+    schema = {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"}}, "required": ["id"]}
+    tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}])
+    with pytest.raises(ConstraintError, match="format"):
+        output_grammar("tool_call_required", tools, False, MARKUP)

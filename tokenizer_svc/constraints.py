@@ -13,6 +13,7 @@ until it runs out of tokens, which a random-weight model otherwise does for ever
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -24,24 +25,94 @@ class ConstraintError(ValueError):
     """An output constraint that cannot be enforced: its message names why, for a 400."""
 
 
-def output_grammar(kind: str, schema: str, thinking: bool, think_end_id: int) -> str | None:
-    """The llguidance grammar of an output constraint (`OutputConstraint.kind` and `.schema`);
-    None for tool calls, which are not enforced yet."""
-    if kind in ("tool_call", "tool_call_required"):
-        return None
+@dataclass(frozen=True)
+class Markup:
+    """The special tokens of DeepSeek-V4's output format that a grammar names by id."""
+
+    think_end: int  # </think>: reasoning ends
+    dsml: int  # ｜DSML｜: inside the tool-call markup, <｜DSML｜tool_calls>, <｜DSML｜invoke ...>, ...
+
+
+def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup) -> str | None:
+    """The llguidance grammar of an output constraint (`OutputConstraint.kind` and `.schema`),
+    or None when there is nothing to enforce (tools none of which is strict, chosen freely)."""
     if kind == "regex":
         answer = "answer: /" + schema.replace("/", "\\/") + "/\n"
     elif kind == "json":
         answer = f"answer: %json {json.dumps(_compact(schema))}\n"
+    elif kind == "tool_call_required":  # the prompt ends inside the markup: <｜DSML｜tool_calls>\n
+        answer = "answer: calls\n" + _tool_calls(json.loads(schema), markup.dsml)
+    elif kind == "tool_call":
+        tools = json.loads(schema)
+        if not any(tool.get("function", {}).get("strict") for tool in tools):
+            return None
+        # an answer in text, or text then the calls. ｜DSML｜ is an ordinary token (its text
+        # can be spelled in pieces too): the text may not contain it, or a call could hide there
+        # (the text before calls ends in "\n\n<": a lexeme stops where it cannot go on, here at
+        # the ｜DSML｜ after that "<")
+        opening = f'<[{markup.dsml}]> "tool_calls>\\n"'
+        answer = f"answer: TEXT | TEXT_BEFORE_CALLS {opening} calls\n"
+        no_markup = "~/(?s:.*｜DSML｜.*)/"
+        answer += f"TEXT: /(?s:.*)/ & {no_markup}\nTEXT_BEFORE_CALLS: /(?s:.*)\\n\\n</ & {no_markup}\n"
+        answer += _tool_calls(tools, markup.dsml)
     else:
         raise ConstraintError(f"an output constraint of kind {kind!r} is not supported")
-    start = f"start: REASONING <[{think_end_id}]> answer\nREASONING: /(?s:.*)/\n" if thinking else "start: answer\n"
+    start = f"start: REASONING <[{markup.think_end}]> answer\nREASONING: /(?s:.*)/\n" if thinking else "start: answer\n"
     grammar = llguidance.LLMatcher.grammar_from_lark(start + answer)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:  # llguidance's first line names the problem ("Unimplemented keys: ["if"]"); then the grammar
         reason = messages[0].splitlines()[0].split("failed to compile JSON schema: ")[-1]
         raise ConstraintError(f"the output constraint cannot be enforced: {reason}")
     return grammar
+
+
+def _tool_calls(tools: list[dict[str, Any]], dsml: int) -> str:
+    """Lark rules for one or more calls in DSML markup, as deepseek-recipe renders and parses them:
+
+        <｜DSML｜invoke name="f">
+        <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
+        <｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>
+        </｜DSML｜invoke>
+        </｜DSML｜tool_calls>
+
+    A string parameter is its raw text, anything else JSON; a tool's required parameters always
+    appear, the others may, in the schema's order."""
+    tag = f'"<" <[{dsml}]> '
+    end = f'"</" <[{dsml}]> '
+    rules, invokes = [], []
+    for n, tool in enumerate(tools):
+        function = tool.get("function", {})
+        parameters = function.get("parameters") or {}
+        required = set(parameters.get("required") or [])
+        parts = []
+        for i, (key, sub) in enumerate((parameters.get("properties") or {}).items()):
+            raw = isinstance(sub, dict) and sub.get("type") == "string"
+            value = _raw_string(key, sub) if raw else f"%json {json.dumps(_compact(json.dumps(sub)))}"
+            opening = _literal(f'parameter name="{key}" string="{"true" if raw else "false"}">')
+            rules.append(f'param{n}_{i}: {tag}{opening} {value} {end}"parameter>\\n"')
+            parts.append(f"param{n}_{i}" if key in required else f"param{n}_{i}?")
+        name = _literal(f'invoke name="{function.get("name", "")}">\n')
+        rules.append(f'invoke{n}: {tag}{name} {" ".join(parts)} {end}"invoke>\\n"')
+        invokes.append(f"invoke{n}")
+    rules.append("invoke: " + " | ".join(invokes))
+    rules.append(f'calls: invoke+ {end}"tool_calls>"')
+    return "\n".join(rules) + "\n"
+
+
+def _raw_string(key: str, schema: dict[str, Any]) -> str:
+    """A string parameter's value as raw text: its enum, its pattern, or any text without "<"
+    (which would open the markup's closing tag)."""
+    if "enum" in schema:
+        return "(" + " | ".join(_literal(str(v)) for v in schema["enum"]) + ")"
+    if "pattern" in schema:
+        return "/" + schema["pattern"].removeprefix("^").removesuffix("$").replace("/", "\\/") + "/"
+    if "format" in schema:
+        raise ConstraintError(f'the "format" of string parameter {key!r} cannot be enforced in a tool call')
+    return "/[^<]*/"
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _compact(schema: str) -> dict[str, Any]:

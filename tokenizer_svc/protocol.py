@@ -24,7 +24,7 @@ import deepseek_recipe as recipe
 from tokenizers import Tokenizer
 
 from common.api import error_body, protocol_problem
-from tokenizer_svc.constraints import ConstraintError, output_grammar
+from tokenizer_svc.constraints import ConstraintError, Markup, output_grammar
 
 ENDPOINTS = {  # endpoint -> (request type, response type); response ids: common.api.response_id
     "chat.completions": (recipe.ChatCompletionRequest, recipe.ChatCompletionResponse),
@@ -86,6 +86,7 @@ class Codec:
         self.stop_ids = set(stop_ids)
         self.think_start = self.decoder.token_to_id("<think>")
         self.think_end = self.decoder.token_to_id("</think>")
+        self.markup = Markup(think_end=self.think_end, dsml=self.decoder.token_to_id("｜DSML｜"))
 
     @classmethod
     def for_model(cls, model_path: str | Path, served_model: str) -> Codec:
@@ -141,7 +142,7 @@ class Codec:
         if constraint is not None:
             thinking = bool(token_ids) and token_ids[-1] == self.think_start  # reasoning first, then the answer
             try:
-                grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.think_end)
+                grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.markup)
             except ConstraintError as err:
                 raise ProtocolError(400, _error_body(endpoint, str(err))) from err
         return Prompt(
