@@ -103,6 +103,8 @@ class RequestPayload(BaseModel):
     tenant: TenantId = "default"  # whose stored prefixes the request may use
     retention: RetentionClass | None = None  # how long its prefixes are kept; None: the endpoint's default
     priority: Priority = "interactive"  # batch work runs in what interactive work leaves free
+    # only count the prompt's tokens (Anthropic's count_tokens): the answer is {"input_tokens": N}
+    count_only: bool = False
 
 
 # a token's logprob, and the most likely tokens at its position as (token id, logprob)

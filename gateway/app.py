@@ -306,10 +306,10 @@ def create_app(
         except Exception as err:  # kafka-python's errors, a timeout: the broker did not take it
             raise QueueUnavailable(str(err)) from err
 
-    async def serve(endpoint: str, request: Request) -> Response:
+    async def serve(endpoint: str, request: Request, count_only: bool = False) -> Response:
         call = _Call.begin(endpoint)
         try:
-            response = await answer(call, request)
+            response = await answer(call, request, count_only)
         except BaseException:
             call.end(500)
             raise
@@ -334,7 +334,8 @@ def create_app(
         get.cancel()
         raise ClientGone() if gone in done else TimeoutError()
 
-    async def answer(call: _Call, request: Request) -> Response:
+    async def answer(call: _Call, request: Request, count_only: bool = False) -> Response:
+        """A protocol call's answer; `count_only`: the prompt's token count (the tokenizer answers)."""
         endpoint, job_id = call.endpoint, call.job_id
         body = await read_object(endpoint, request)
         if isinstance(body, Response):
@@ -342,13 +343,18 @@ def create_app(
         options = cache_options(endpoint, request, body)
         if isinstance(options, Response):
             return options
-        if problem := protocol_problem(endpoint, body):
-            return protocol_error(endpoint, 400, problem)
-        size = int(request.headers.get("content-length") or 0)
-        if admission is not None and (retry_after := admission.retry_after(size)) is not None:
-            return too_busy(endpoint, retry_after)
-        if isinstance(quota := await take_quota(request, endpoint, body), Response):
-            return quota
+        if count_only:  # no engine time, no tokens used: neither admission nor quotas apply
+            options["count_only"] = True
+            body.pop("stream", None)
+            body.setdefault("max_tokens", 1)  # a count's body has none; the Messages request it counts does
+        else:
+            if problem := protocol_problem(endpoint, body):
+                return protocol_error(endpoint, 400, problem)
+            size = int(request.headers.get("content-length") or 0)
+            if admission is not None and (retry_after := admission.retry_after(size)) is not None:
+                return too_busy(endpoint, retry_after)
+            if isinstance(quota := await take_quota(request, endpoint, body), Response):
+                return quota
         queue = router.watch(job_id)
         gone = asyncio.create_task(client_gone(request))
         streaming = False
@@ -412,6 +418,11 @@ def create_app(
     @app.post("/v1/messages", openapi_extra=schemas.request_body("MessagesRequest"))
     async def messages(request: Request) -> Response:
         return await serve("messages", request)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=schemas.request_body("MessageCountTokensRequest"))
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's token count: the prompt tokens the same Messages request would report."""
+        return await serve("messages", request, count_only=True)
 
     @app.post("/v1/jobs", status_code=202, openapi_extra=schemas.request_body("JobRequest"))
     async def submit_job(request: Request) -> Response:

@@ -27,10 +27,14 @@ SOURCES = {
     "responses": ("ResponsesRequest", "openai.types.responses.response_create_params:ResponseCreateParamsBase"),
     "messages": ("MessagesRequest", "anthropic.types.message_create_params:MessageCreateParamsBase"),
 }
-# the batch endpoints' bodies, from the same SDKs
+# the other endpoints' bodies (batches, token counts), from the same SDKs
 BATCH_SOURCES = {
     "batches": ("BatchCreateRequest", "openai.types.batch_create_params:BatchCreateParams"),
     "messages.batches": ("MessageBatchCreateRequest", "anthropic.types.messages.batch_create_params:BatchCreateParams"),
+    "messages.count_tokens": (
+        "MessageCountTokensRequest",
+        "anthropic.types.message_count_tokens_params:MessageCountTokensParams",
+    ),
 }
 JOB_REQUEST = {
     "type": "object",

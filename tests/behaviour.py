@@ -361,6 +361,21 @@ class GatewayBehaviour(SDKClients):
         )
         Forecast.model_validate(next(block for block in message.content if block.type == "tool_use").input)
 
+    def test_count_tokens_is_the_prompt_a_message_reports(self, claude):
+        """Anthropic's count_tokens, by its SDK: the input tokens the same Messages request
+        reports in its usage (cached or not), system prompt and tools included; nothing runs."""
+        request = {
+            "messages": QUESTION,
+            "system": "Answer briefly.",
+            "tools": [{"name": "forecast", "input_schema": Forecast.model_json_schema()}],
+            "extra_body": {"temperature": 0, **GREEDY["extra_body"]},
+        }
+        counted = claude.messages.count_tokens(model=MODEL, **request)
+        usage = claude.messages.create(model=MODEL, max_tokens=2, **request).usage
+        assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0) > 20
+        with pytest.raises(anthropic.BadRequestError):
+            claude.messages.count_tokens(model="no-such-model", messages=QUESTION)
+
     def test_logprobs_are_the_models_own_stream_and_not(self, service, oai):
         """`logprobs` / `top_logprobs` as the SDK parses them: each token's logprob and its three
         most likely alternatives equal engine.score's over the same tokens (an independent pass

@@ -154,6 +154,10 @@ class TokenizerWorker(Worker):
             self._refuse(envelope.job_id, 400, error_body(request.endpoint, str(err)), span)
             return
         span.set_attribute("deepmesh.prompt_tokens", len(prompt.token_ids))
+        if request.count_only:  # the whole answer: nothing runs for it
+            counted = ResultPayload(done=True, status=200, body={"input_tokens": len(prompt.token_ids)})
+            self.hop(Topic.RESULTS, Envelope(type="result", job_id=envelope.job_id, payload=counted.model_dump()), span)
+            return
         start = JobStart(endpoint=request.endpoint, body=request.body, tenant=request.tenant, priority=request.priority)
         # first the start, then the job: its tokens, which come after the prefill, find it there
         self.hop(Topic.TOKENS, Envelope(type="start", job_id=envelope.job_id, payload=start.model_dump()), span)
