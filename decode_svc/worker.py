@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common import metrics
+from common.api import error_body, server_error_kind
 from common.bus import Bus, Record
 from common.messages import (
     ENGINE_PRIORITY,
     BadMessage,
     DecodePayload,
     Envelope,
+    ResultPayload,
     TokensPayload,
     WarmPayload,
     payload_of,
@@ -159,8 +161,17 @@ class DecodeWorker(EngineWorker):
                     outcome = "recomputed"
         except EngineError as err:  # input the engine refuses: nothing to decode
             del self.jobs[job_id]
-            job.span.end()
             self.dead_letter(job.record, err)
+            # prefill took it, so this engine differs from prefill's (a smaller context, no
+            # tokenizer for a grammar): the client gets the reason now, not a timeout
+            endpoint = payload.endpoint
+            failed = ResultPayload(
+                done=True,
+                status=500,
+                body=error_body(endpoint, f"decode refused the job: {err}", server_error_kind(endpoint)),
+            )
+            self.hop(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=failed.model_dump()), job.span)
+            job.span.end()
             self.end_here(job_id)
             self.watermarks.release(job_id)
             return

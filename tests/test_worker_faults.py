@@ -155,3 +155,28 @@ def test_an_id_taken_again_after_an_abort_is_a_new_request(tiny_checkpoint):
         outputs += engine.step()
     assert [o.finish_reason for o in outputs if o.finished] == ["length"]
     assert [t for o in outputs for t in o.new_token_ids] == engine.generate([prompt], params)[0].token_ids
+
+
+def test_a_job_decode_refuses_is_answered_with_the_reason_not_left_to_time_out(tiny_preset, tmp_path):
+    """A decode replica whose engine differs from prefill's (here a smaller context, as a
+    misconfigured deployment would have): the job prefill took ends at once with a 500 naming
+    why, in the protocol's shape, and the worker goes on serving."""
+    bus = MemoryBus()
+    mesh = Mesh(tiny_preset, bus, scratch_store(tmp_path), topic_prefix=f"refuse{uuid.uuid4().hex[:6]}.", partitions=2)
+    mesh.prefix = mesh.tokenizer.prefix
+    prefill = mesh.prefill.engine
+    mesh.decode.engine = LLMEngine(prefill.model, weights=prefill.weights, grammars=prefill.grammars, max_model_len=120)
+    mesh.start()
+    try:
+        from tests.test_mesh import submit
+
+        long = submit(mesh, "chat.completions", {**BODIES["chat.completions"], "max_tokens": 100})
+        (result,) = collect(mesh, {long}, timeout=30)[long]
+        assert result.done and result.status == 500
+        assert "decode refused the job" in result.body["error"]["message"]
+        assert "context" in result.body["error"]["message"]
+        short = submit(mesh, "chat.completions", {**BODIES["chat.completions"], "max_tokens": 4})
+        assert collect(mesh, {short}, timeout=30)[short][-1].status == 200
+    finally:
+        mesh.stop()
+        bus.close()
