@@ -95,7 +95,8 @@ def one_process_answer(model: Path, body: dict, endpoint: str = "chat.completion
     prompt = codec.prompt(endpoint, body)
     assert prompt.temperature == 0, "compare greedy requests only"
     engine = LLMEngine.from_pretrained(model)
-    out = engine.generate([prompt.token_ids], SamplingParams(max_tokens=prompt.max_tokens, temperature=0))[0]
+    params = SamplingParams(max_tokens=prompt.max_tokens, temperature=0, grammar=prompt.grammar)
+    out = engine.generate([prompt.token_ids], params)[0]
     stream = codec.output(endpoint, body, "reference")
     stream.start(len(prompt.token_ids))
     stream.tokens(out.token_ids)

@@ -220,12 +220,17 @@ def test_one_job_is_one_trace_across_the_processes(cluster):
 
 
 def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(cluster, model):
+    """SIGKILL decode mid-answer, an answer under a JSON schema: the new decode recomputes the
+    state and the grammar's from the tokens so far, and the stream goes on as one process's."""
+    notes = {"type": "array", "items": {"type": "string", "pattern": "^[a-z ]{0,24}$"}, "minItems": 500}
+    schema = {"type": "object", "properties": {"notes": notes}, "required": ["notes"], "additionalProperties": False}
     body = {
         "model": MODEL,
         "messages": QUESTION,
         "max_tokens": 400,
         "temperature": 0,
         "thinking": {"type": "disabled"},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "notes", "schema": schema}},
         "stream": True,
     }
     chunks: list[dict] = []
@@ -250,6 +255,7 @@ def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(clu
     assert not reader.is_alive(), "the stream never finished"
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert text.startswith('{"notes":["')  # under its schema all along
     assert text == one_process_answer(model, body)["choices"][0]["message"]["content"]
 
 
