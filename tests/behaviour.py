@@ -361,6 +361,17 @@ class GatewayBehaviour(SDKClients):
             extra_body={"temperature": 0, **GREEDY["extra_body"]},
         )
         Forecast.model_validate(next(block for block in message.content if block.type == "tool_use").input)
+        parameters = openai.pydantic_function_tool(Forecast)["function"]["parameters"]
+        answer = oai.responses.create(
+            model=MODEL,
+            input="What is the forecast?",
+            tools=[{"type": "function", "name": "forecast", "parameters": parameters, "strict": True}],
+            tool_choice="required",
+            max_output_tokens=100,
+            temperature=0,
+            reasoning={"effort": "none"},
+        )
+        Forecast.model_validate_json(next(item for item in answer.output if item.type == "function_call").arguments)
 
     def test_count_tokens_is_the_prompt_a_message_reports(self, claude):
         """Anthropic's count_tokens, by its SDK: the input tokens the same Messages request
