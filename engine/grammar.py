@@ -36,10 +36,6 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.executor = llguidance.LLExecutor(num_threads=2)
 
-    def problem(self, grammar: str) -> str | None:
-        """Why llguidance refuses this grammar, or None."""
-        return llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer) or None
-
     def matcher(self, grammar: str, consumed: list[int]) -> llguidance.LLMatcher:
         """A matcher for `grammar` that has taken `consumed` (the request's output so far)."""
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
