@@ -27,10 +27,10 @@ class ConstraintError(ValueError):
 
 @dataclass(frozen=True)
 class Markup:
-    """The special tokens of DeepSeek-V4's output format that a grammar names by id."""
+    """The tokens of DeepSeek-V4's output markup that a grammar names by id."""
 
-    think_end: int  # </think>: reasoning ends
-    dsml: int  # ｜DSML｜: inside the tool-call markup, <｜DSML｜tool_calls>, <｜DSML｜invoke ...>, ...
+    think_end: int  # </think> (a special token): reasoning ends
+    dsml: int  # ｜DSML｜ (an ordinary one): in every tag of the tool-call markup, <｜DSML｜invoke ...>, ...
 
 
 def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup) -> str | None:
