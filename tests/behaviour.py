@@ -347,11 +347,20 @@ class GatewayBehaviour(SDKClients):
             )
             assert reply.choices[0].finish_reason == "tool_calls", reply
             assert isinstance(reply.choices[0].message.tool_calls[0].function.parsed_arguments, Forecast)
-        with oai.chat.completions.stream(
-            model=MODEL, messages=QUESTION, tools=[tool], tool_choice="required", max_tokens=100, **GREEDY
+        with oai.chat.completions.stream(  # sampled, one call: a random model stops after it
+            model=MODEL,
+            messages=QUESTION,
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=100,
+            temperature=0.9,
+            seed=3,
+            extra_body=GREEDY["extra_body"],
         ) as stream:
             streamed = stream.get_final_completion()
-        assert isinstance(streamed.choices[0].message.tool_calls[0].function.parsed_arguments, Forecast)
+        (only,) = streamed.choices[0].message.tool_calls
+        assert isinstance(only.function.parsed_arguments, Forecast)
         message = claude.messages.create(
             model=MODEL,
             max_tokens=100,

@@ -170,3 +170,15 @@ def test_a_string_format_in_a_tool_call_is_refused_not_ignored():
     tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}])
     with pytest.raises(ConstraintError, match="format"):
         output_grammar("tool_call_required", tools, False, MARKUP)
+
+
+def test_parallel_tool_calls_false_allows_one_call(engine):
+    """A model sampling freely may open call after call; `parallel_tool_calls: false` ends at one."""
+    tools = json.dumps([{"type": "function", "function": {"name": "forecast", "parameters": FORECAST, "strict": True}}])
+    one = call(engine, "Oslo", "2")
+    closing = markup_tokens(engine, "</", MARKUP.dsml, "tool_calls>")
+    twice = one[: -len(closing)] + one  # two invokes, then the closing tag
+    assert engine.grammars.matcher(output_grammar("tool_call_required", tools, False, MARKUP), []).consume_tokens(twice)
+    single = output_grammar("tool_call_required", tools, False, MARKUP, one_call=True)
+    assert not engine.grammars.matcher(single, []).consume_tokens(twice)
+    assert engine.grammars.matcher(single, []).consume_tokens(one)

@@ -33,15 +33,16 @@ class Markup:
     dsml: int  # ｜DSML｜ (an ordinary one): in every tag of the tool-call markup, <｜DSML｜invoke ...>, ...
 
 
-def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup) -> str | None:
+def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup, one_call: bool = False) -> str | None:
     """The llguidance grammar of an output constraint (`OutputConstraint.kind` and `.schema`),
-    or None when there is nothing to enforce (tools none of which is strict, chosen freely)."""
+    or None when there is nothing to enforce (tools none of which is strict, chosen freely).
+    `one_call`: at most one tool call (`parallel_tool_calls: false`)."""
     if kind == "regex":
         answer = "answer: /" + schema.replace("/", "\\/") + "/\n"
     elif kind == "json":
         answer = f"answer: %json {json.dumps(_compact(schema))}\n"
     elif kind == "tool_call_required":  # the prompt ends inside the markup: <｜DSML｜tool_calls>\n
-        answer = "answer: calls\n" + _tool_calls(json.loads(schema), markup.dsml)
+        answer = "answer: calls\n" + _tool_calls(json.loads(schema), markup.dsml, one_call)
     elif kind == "tool_call":
         tools = json.loads(schema)
         if not any(tool.get("function", {}).get("strict") for tool in tools):
@@ -54,7 +55,7 @@ def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup) -> st
         answer = f"answer: TEXT | TEXT_BEFORE_CALLS {opening} calls\n"
         no_markup = "~/(?s:.*｜DSML｜.*)/"
         answer += f"TEXT: /(?s:.*)/ & {no_markup}\nTEXT_BEFORE_CALLS: /(?s:.*)\\n\\n</ & {no_markup}\n"
-        answer += _tool_calls(tools, markup.dsml)
+        answer += _tool_calls(tools, markup.dsml, one_call)
     else:
         raise ConstraintError(f"an output constraint of kind {kind!r} is not supported")
     start = f"start: REASONING <[{markup.think_end}]> answer\nREASONING: /(?s:.*)/\n" if thinking else "start: answer\n"
@@ -66,7 +67,7 @@ def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup) -> st
     return grammar
 
 
-def _tool_calls(tools: list[dict[str, Any]], dsml: int) -> str:
+def _tool_calls(tools: list[dict[str, Any]], dsml: int, one_call: bool) -> str:
     """Lark rules for one or more calls in DSML markup, as deepseek-recipe renders and parses them:
 
         <｜DSML｜invoke name="f">
@@ -95,7 +96,7 @@ def _tool_calls(tools: list[dict[str, Any]], dsml: int) -> str:
         rules.append(f'invoke{n}: {tag}{name} {" ".join(parts)} {end}"invoke>\\n"')
         invokes.append(f"invoke{n}")
     rules.append("invoke: " + " | ".join(invokes))
-    rules.append(f'calls: invoke+ {end}"tool_calls>"')
+    rules.append(f'calls: invoke{"" if one_call else "+"} {end}"tool_calls>"')
     return "\n".join(rules) + "\n"
 
 

@@ -142,7 +142,8 @@ class Codec:
         if constraint is not None:
             thinking = bool(token_ids) and token_ids[-1] == self.think_start  # reasoning first, then the answer
             try:
-                grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.markup)
+                one_call = isinstance(body, dict) and _one_call(body)
+                grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.markup, one_call)
             except ConstraintError as err:
                 raise ProtocolError(400, _error_body(endpoint, str(err))) from err
         return Prompt(
@@ -269,6 +270,14 @@ class OutputStream:
                 if isinstance(usage, dict) and isinstance(usage.get(details), dict):
                     usage[details]["reasoning_tokens"] = self.reasoning_tokens
         return data
+
+
+def _one_call(body: dict[str, Any]) -> bool:
+    """Whether the request allows one tool call at most: OpenAI's `parallel_tool_calls: false`,
+    Anthropic's `tool_choice.disable_parallel_tool_use`."""
+    choice = body.get("tool_choice")
+    anthropic_single = isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True
+    return body.get("parallel_tool_calls") is False or anthropic_single
 
 
 def _error_body(endpoint: str, message: str) -> str:
