@@ -122,6 +122,20 @@ class Sampling(BaseModel):
     # each token's logprob and its `logprobs` most likely alternatives (0 to 20); None: none
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
+    def engine_params(self, tenant: str, priority: Priority, seed: int | None) -> dict[str, Any]:
+        """The engine's SamplingParams for a job with this sampling, as keyword arguments: prefill
+        and decode both start the job's sequence from them (decode with the seed prefill drew)."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": seed,
+            "grammar": self.grammar,
+            "logprobs": self.logprobs,
+            "prefix_namespace": tenant,  # a tenant's prompts start only from its own states
+            "priority": ENGINE_PRIORITY[priority],
+        }
+
 
 class PrefillPayload(BaseModel):
     """`prefill`: a tokenized request, ready for the engine. (Its API body went to `tokens`

@@ -19,7 +19,6 @@ from common import metrics
 from common.api import error_body, server_error_kind
 from common.bus import Bus, Record
 from common.messages import (
-    ENGINE_PRIORITY,
     BadMessage,
     DecodePayload,
     Envelope,
@@ -135,17 +134,10 @@ class DecodeWorker(EngineWorker):
         payload = job.payload
         sampling = payload.sampling
         params = SamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=payload.seed,
-            grammar=sampling.grammar,
-            logprobs=sampling.logprobs,
+            **sampling.engine_params(payload.tenant, payload.priority, payload.seed),
             # stored below as where the conversation's next turn can resume; a batch request has none
             # to come, and the copy and the store would cost interactive traffic its cores
             keep_final_state=payload.priority == "interactive",
-            prefix_namespace=payload.tenant,
-            priority=ENGINE_PRIORITY[payload.priority],
         )
         try:
             with within(job.span, job_id):

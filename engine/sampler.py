@@ -64,7 +64,7 @@ def _top_logprobs(
     logits: torch.Tensor, normalizer: torch.Tensor, seqs: list[Sequence]
 ) -> list[list[tuple[int, float]] | None]:
     """The `params.logprobs` most likely tokens of each row that asks, with their logprobs."""
-    tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
+    tops: list[list[tuple[int, float]] | None] = [[] if seq.params.logprobs is not None else None for seq in seqs]
     asking = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
     if asking:
         rows = torch.tensor(asking, device=logits.device)
@@ -74,9 +74,6 @@ def _top_logprobs(
         for n, i in enumerate(asking):
             keep = seqs[i].params.logprobs or 0
             tops[i] = list(zip(ids[n, :keep].tolist(), values[n][:keep], strict=True))
-    for i, seq in enumerate(seqs):
-        if seq.params.logprobs == 0:
-            tops[i] = []
     return tops
 
 

@@ -24,7 +24,6 @@ from common import metrics
 from common.api import error_body
 from common.bus import Bus, Record
 from common.messages import (
-    ENGINE_PRIORITY,
     BadMessage,
     DecodePayload,
     Envelope,
@@ -143,15 +142,8 @@ class PrefillWorker(EngineWorker):
                 continue
             sampling = payload.sampling
             params = SamplingParams(
-                max_tokens=sampling.max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                seed=sampling.seed,
-                grammar=sampling.grammar,
-                logprobs=sampling.logprobs,
+                **sampling.engine_params(payload.tenant, payload.priority, sampling.seed),
                 keep_final_state=True,  # a job done at its first token still leaves its prompt's state
-                prefix_namespace=payload.tenant,
-                priority=ENGINE_PRIORITY[payload.priority],
             )
             prompt_tokens = len(payload.prompt_token_ids)
             parent = context_of(record.headers)

@@ -184,7 +184,6 @@ class TokenizerWorker(Worker):
             return
         if envelope.type == "cancel":  # the job ended upstream, unfinished: nothing more will come
             self.watermarks.seen(record)
-            self.on_their_way.discard(job_id)
             if job_id in finished:  # its end is being sent already
                 return
             if self.drop(job_id):
