@@ -16,11 +16,11 @@ from typing import Any
 
 from common.messages import ResultPayload
 
-ENDPOINTS = ("chat.completions", "responses", "messages")
-RESPONSE_ID_PREFIX = {"chat.completions": "chatcmpl", "responses": "resp", "messages": "msg"}
+ENDPOINTS = ("chat.completions", "responses", "messages", "completions")
+RESPONSE_ID_PREFIX = {"chat.completions": "chatcmpl", "responses": "resp", "messages": "msg", "completions": "cmpl"}
 RETENTION_CLASSES = ("agent", "chat")
 # Anthropic Messages, the protocol of coding agents, is `agent`; the OpenAI protocols are `chat`.
-DEFAULT_RETENTION = {"messages": "agent", "chat.completions": "chat", "responses": "chat"}
+DEFAULT_RETENTION = {"messages": "agent", "chat.completions": "chat", "responses": "chat", "completions": "chat"}
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 MAX_BODY_BYTES = 8 << 20

@@ -88,7 +88,7 @@ def payload_of(envelope: Envelope, model: type[BaseModel]):
 
 # -- payloads, one per topic (see README "Topics and messages") --------------------------------
 
-Endpoint = Literal["chat.completions", "responses", "messages"]
+Endpoint = Literal["chat.completions", "responses", "messages", "completions"]
 RetentionClass = Literal["agent", "chat"]
 Priority = Literal["interactive", "batch"]
 ENGINE_PRIORITY = {"interactive": 0, "batch": 1}  # SamplingParams.priority
@@ -121,6 +121,9 @@ class Sampling(BaseModel):
     grammar: str | None = None
     # each token's logprob and its `logprobs` most likely alternatives (0 to 20); None: none
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # each prompt token's logprob and its `prompt_logprobs` most likely alternatives (the
+    # legacy Completions' `echo` with `logprobs`); None: none
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def engine_params(self, tenant: str, priority: Priority, seed: int | None) -> dict[str, Any]:
         """The engine's SamplingParams for a job with this sampling, as keyword arguments: prefill
@@ -167,6 +170,7 @@ class DecodePayload(BaseModel):
     prompt_token_ids: list[int] = Field(min_length=1)
     first_token: int
     first_logprobs: TokenLogprobs | None = None  # when the request asked (Sampling.logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the request asked (Sampling.prompt_logprobs)
     seed: int
     sampling: Sampling
     kv: KVHandle | None = None  # None or unusable: decode recomputes from the tokens
@@ -209,6 +213,8 @@ class TokensPayload(BaseModel):
     cached_tokens: int = 0  # seq 0: prompt tokens served from the KV cache
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked (Sampling.logprobs)
+    # seq 0, when the request asked (Sampling.prompt_logprobs): one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = False
     finish_reason: Literal["stop", "length", "abort"] | None = None
 

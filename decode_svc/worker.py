@@ -174,6 +174,7 @@ class DecodeWorker(EngineWorker):
             cached_tokens=payload.cached_tokens,
             token_ids=[payload.first_token],
             logprobs=[payload.first_logprobs] if payload.first_logprobs is not None else None,
+            prompt_logprobs=payload.prompt_logprobs,
         )
         self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=seq0.model_dump()), job.span)
 

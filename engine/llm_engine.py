@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
 from engine.resident_prefixes import ResidentPrefix, ResidentPrefixes
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, SequenceStatus
+from engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
 from engine.state_cache import StateCache
 from engine.state_transfer import SnapshotError, StateSnapshot, layout_id
 
@@ -468,9 +469,33 @@ class LLMEngine:
             for s in seqs
         ]
 
-    @torch.inference_mode()
     def score(self, token_ids: SequenceOf[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab] (fp32) of every prompt position, computed in chunks."""
+        return torch.cat(list(self._chunk_logits(token_ids)))
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: SequenceOf[int], top: int) -> list[TokenLogprobs | None]:
+        """Per prompt position, the logprob of its token given the ones before it and the `top`
+        most likely tokens there (None at position 0: nothing comes before it). One pass over
+        the prompt, out of the scheduler (as `score`), keeping one chunk's logits at a time."""
+        tokens = self._validate_tokens(token_ids)
+        entries: list[TokenLogprobs | None] = [None]
+        start = 0
+        for logits in self._chunk_logits(tokens):
+            logprobs = logits.log_softmax(dim=-1)
+            # row i predicts token start + i + 1; the last row of the prompt predicts nothing
+            following = torch.tensor(tokens[start + 1 : start + 1 + len(logits)], device=logits.device)
+            chosen = logprobs[: len(following)].gather(1, following.unsqueeze(1)).squeeze(1).tolist()
+            values, ids = logprobs[: len(following)].topk(top, dim=-1) if top else (None, None)
+            for row, logprob in enumerate(chosen):
+                best = list(zip(ids[row].tolist(), values[row].tolist(), strict=True)) if top else []
+                entries.append((logprob, best))
+            start += len(logits)
+        return entries
+
+    @torch.inference_mode()
+    def _chunk_logits(self, token_ids: SequenceOf[int]) -> Iterator[torch.Tensor]:
+        """The logits [chunk, vocab] (fp32) of every prompt position, one engine chunk at a time."""
         tokens = self._validate_tokens(token_ids)
         if len(tokens) > self.max_model_len:
             raise InvalidRequestError(f"{len(tokens)} tokens exceed the model's context of {self.max_model_len}")
@@ -480,15 +505,13 @@ class LLMEngine:
         slot = self.cache.allocate_slot()
         blocks = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
         try:
-            logits = []
             for start in range(0, len(tokens), self.max_num_batched_tokens):
                 chunk = tokens[start : start + self.max_num_batched_tokens]
                 step = StepInput(
                     torch.tensor(chunk, dtype=torch.long, device=self.device),
                     [SeqSlice(slot, start, len(chunk), blocks)],
                 )
-                logits.append(self.model.compute_logits(self.model(step, self.cache)))
-            return torch.cat(logits)
+                yield self.model.compute_logits(self.model(step, self.cache))
         finally:
             for block in blocks:
                 self.cache.block_allocator.release(block)

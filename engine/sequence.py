@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from engine.state_transfer import StateSnapshot
 
 
+# a token's logprob, and the most likely tokens at its position as (token id, logprob)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
@@ -127,7 +131,7 @@ class RequestOutput:
     # with SamplingParams.logprobs: per new token, the most likely tokens and their logprobs
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
 
-    def token_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    def token_logprobs(self) -> list[TokenLogprobs] | None:
         """Per new token, its logprob and the most likely tokens; None unless the request asked."""
         if self.new_top_logprobs is None:
             return None

@@ -415,6 +415,11 @@ def create_app(
     async def responses(request: Request) -> Response:
         return await serve("responses", request)
 
+    @app.post("/v1/completions", openapi_extra=schemas.request_body("CompletionRequest"))
+    async def completions(request: Request) -> Response:
+        """OpenAI's legacy Completions: a raw prompt, no chat template (tokenizer_svc/completions.py)."""
+        return await serve("completions", request)
+
     @app.post("/v1/messages", openapi_extra=schemas.request_body("MessagesRequest"))
     async def messages(request: Request) -> Response:
         return await serve("messages", request)

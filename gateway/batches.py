@@ -31,7 +31,11 @@ from gateway.jobs import Base, Job
 MAX_REQUESTS = 50_000
 COMPLETION_WINDOWS = {"24h": 86400.0}
 # the URL a request line of an OpenAI batch names -> the endpoint that answers it
-OPENAI_URLS = {"/v1/chat/completions": "chat.completions", "/v1/responses": "responses"}
+OPENAI_URLS = {
+    "/v1/chat/completions": "chat.completions",
+    "/v1/responses": "responses",
+    "/v1/completions": "completions",
+}
 CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # Anthropic's rule for a custom_id
 MAX_CUSTOM_ID = 512
 

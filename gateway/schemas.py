@@ -26,6 +26,7 @@ SOURCES = {
     ),
     "responses": ("ResponsesRequest", "openai.types.responses.response_create_params:ResponseCreateParamsBase"),
     "messages": ("MessagesRequest", "anthropic.types.message_create_params:MessageCreateParamsBase"),
+    "completions": ("CompletionRequest", "openai.types.completion_create_params:CompletionCreateParamsBase"),
 }
 # the other endpoints' bodies (batches, token counts), from the same SDKs
 BATCH_SOURCES = {

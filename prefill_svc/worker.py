@@ -30,6 +30,7 @@ from common.messages import (
     KVHandle,
     PrefillPayload,
     ResultPayload,
+    TokenLogprobs,
     TokensPayload,
     WarmPayload,
     payload_of,
@@ -57,7 +58,8 @@ class _HandOver:
     """A prefilled job on its way to decode: its state is being stored (out of the engine)."""
 
     first_token: int
-    first_logprobs: tuple[float, list[tuple[int, float]]] | None
+    first_logprobs: TokenLogprobs | None
+    prompt_logprobs: list[TokenLogprobs | None] | None
     seed: int
     layout: str
     stored: Future[Stored | None]
@@ -318,6 +320,7 @@ class PrefillWorker(EngineWorker):
                 cached_tokens=job.cached_tokens,
                 token_ids=[first],
                 logprobs=out.token_logprobs(),
+                prompt_logprobs=self._prompt_logprobs(job),
                 finished=True,
                 finish_reason=out.finish_reason,
             )
@@ -333,7 +336,14 @@ class PrefillWorker(EngineWorker):
         # The prompt's anchor is also the hand-over: leased to this job until decode has loaded it.
         stored = self._store_prefix(job_id, job, snapshot, lease=True)
         logprobs = out.token_logprobs()
-        job.hand_over = _HandOver(first, logprobs[0] if logprobs else None, seed, snapshot.layout, stored)
+        first_logprobs = logprobs[0] if logprobs else None
+        job.hand_over = _HandOver(first, first_logprobs, self._prompt_logprobs(job), seed, snapshot.layout, stored)
+
+    def _prompt_logprobs(self, job: _Job) -> list[TokenLogprobs | None] | None:
+        """The prompt tokens' logprobs, when the job asks: one more pass over the whole prompt
+        (cached or not), run once the job's own state has left the engine, which leaves room for it."""
+        top = job.payload.sampling.prompt_logprobs
+        return None if top is None else self.engine.prompt_logprobs(job.payload.prompt_token_ids, top)
 
     def _send_stored(self) -> None:
         """Send every job whose hand-over is stored (or failed to be: decode then recomputes it)
@@ -368,6 +378,7 @@ class PrefillWorker(EngineWorker):
             prompt_token_ids=job.payload.prompt_token_ids,
             first_token=hand_over.first_token,
             first_logprobs=hand_over.first_logprobs,
+            prompt_logprobs=hand_over.prompt_logprobs,
             seed=hand_over.seed,
             sampling=job.payload.sampling,
             kv=kv,

@@ -29,6 +29,7 @@ import httpx
 import openai
 import pydantic
 import pytest
+import torch
 import uvicorn
 from tokenizers import Tokenizer
 
@@ -248,6 +249,16 @@ class RawConnection:
         self.http.close()
 
 
+def lm_eval_reading(logprobs: dict, ctxlen: int) -> tuple[float, bool]:
+    """What lm-evaluation-harness' local-completions model takes from an echoed prompt's legacy
+    logprobs (LocalCompletionsAPI.parse_logprobs): the continuation's total logprob, and whether
+    each of its tokens was the most likely one (by exact equality with the top logprob)."""
+    token_logprobs = logprobs["token_logprobs"][ctxlen:-1]
+    top_logprobs = logprobs["top_logprobs"][ctxlen:-1]
+    is_greedy = all(token == max(top.values()) for token, top in zip(token_logprobs, top_logprobs, strict=True))
+    return sum(token_logprobs), is_greedy
+
+
 def protocol_error_message(path: str, body: dict) -> str:
     """The message of an error body, asserting the endpoint's own shape."""
     if path.startswith("/v1/messages"):
@@ -434,6 +445,79 @@ class GatewayBehaviour(SDKClients):
         text = answer.output[-1].content[0]
         assert [e.token for e in text.logprobs] == [e.token for e in content]
         assert [e.logprob for e in text.logprobs] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+    def test_completions_as_the_sdk_sends_them_stream_and_not(self, service, oai):
+        """A raw text prompt (no chat template): the greedy answer is the one-process one, streamed
+        or not; a stop sequence ends it there; a seed makes a sampled answer repeat."""
+        body = {"model": MODEL, "prompt": "Kafka partitions are", "max_tokens": 24, "temperature": 0}
+        expected = one_process_answer(service.model, body, "completions")["choices"][0]
+        reply = oai.completions.create(**body)
+        assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+        assert reply.choices[0].text == expected["text"] and len(expected["text"]) > 10
+        assert reply.choices[0].finish_reason == "length" and reply.choices[0].logprobs is None
+        assert reply.usage.completion_tokens == 24 and reply.usage.prompt_tokens == 4
+        chunks = list(oai.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+
+        text = reply.choices[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        stopped = oai.completions.create(**{**body, "max_tokens": 2000}, stop=[stop, "never appears"])
+        assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.index(stop)]
+        streamed = list(oai.completions.create(**{**body, "max_tokens": 2000}, stop=stop, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == text[: text.index(stop)]
+
+        sampled = {**body, "temperature": 1.0, "seed": 1234}
+        assert oai.completions.create(**sampled).choices[0].text == oai.completions.create(**sampled).choices[0].text
+
+    def test_completions_echo_logprobs_as_lm_evaluation_harness_reads_them(self, service, oai):
+        """lm-evaluation-harness' loglikelihood request (local-completions: token ids, echo,
+        logprobs 1, max_tokens 1), read the way it reads it: the continuation's logprobs are
+        token_logprobs[ctxlen:-1], greedy when each is the largest of its top_logprobs. The numbers
+        are transformers' (an independent implementation over the same checkpoint)."""
+        from transformers import DeepseekV4ForCausalLM
+
+        context, continuation = [671, 6102, 294, 8760, 344], [9474, 13, 1526]
+        payload = {"model": MODEL, "prompt": [context + continuation], "temperature": 0, "max_tokens": 1}
+        reply = oai.completions.create(**payload, logprobs=1, seed=1234, echo=True).model_dump()
+        logprobs = reply["choices"][0]["logprobs"]
+        ctxlen = len(context)
+        assert len(logprobs["tokens"]) == len(context) + len(continuation) + 1 and logprobs["token_logprobs"][0] is None
+        got = logprobs["token_logprobs"][ctxlen:-1]
+        total, is_greedy = lm_eval_reading(logprobs, ctxlen)
+        assert total == sum(got)
+
+        reference = DeepseekV4ForCausalLM.from_pretrained(service.model, dtype=torch.float32).eval()
+        ids = torch.tensor([context + continuation])
+        with torch.no_grad():
+            expected = reference(ids).logits[0].log_softmax(dim=-1)
+        wanted = [expected[ctxlen - 1 + i, token].item() for i, token in enumerate(continuation)]
+        assert got == pytest.approx(wanted, abs=2e-3)
+        best = expected[ctxlen - 1 : -1].argmax(dim=-1).tolist()
+        assert is_greedy == (best == continuation)
+        greedy_continuation = best[:1]  # the model's own choice is greedy by lm-eval's reading
+        again = oai.completions.create(**{**payload, "prompt": [context + greedy_continuation]}, logprobs=1, echo=True)
+        assert lm_eval_reading(again.model_dump()["choices"][0]["logprobs"], ctxlen)[1]
+        assert reply["choices"][0]["text"].startswith("".join(logprobs["tokens"][:-1]))
+
+    def test_completions_refuse_what_they_cannot_do(self, service, oai):
+        for options, status, words in [
+            ({"n": 2}, 400, "n is not supported"),
+            ({"logprobs": 21}, 400, "logprobs"),
+            ({"extra_body": {"top_k": 5}}, 400, "top_k"),
+            ({"max_tokens": 10**6}, 400, "maximum context length"),
+            ({"prompt": ["one", "two"]}, 400, "one prompt per request"),
+            ({"prompt": [[1, 2], [3]]}, 400, "one prompt per request"),
+            ({"prompt": [1, 10**9]}, 400, "vocabulary"),
+            ({"prompt": ""}, 400, "empty"),
+            ({"max_tokens": 0}, 400, "echo"),
+            ({"model": "unknown-model"}, 404, "unknown-model"),
+        ]:
+            body = {"model": MODEL, "prompt": "Hello", **options}
+            with pytest.raises(openai.APIStatusError) as caught:
+                oai.completions.create(**body)
+            assert caught.value.status_code == status and words in caught.value.message, (options, caught.value)
 
     def test_an_output_constraint_that_cannot_be_enforced_is_a_400_naming_why(self, oai):
         schema = {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}

@@ -70,6 +70,7 @@ def test_the_openapi_document_declares_each_protocols_body(gateway):
         ("/v1/chat/completions", "ChatCompletionRequest"),
         ("/v1/responses", "ResponsesRequest"),
         ("/v1/messages", "MessagesRequest"),
+        ("/v1/completions", "CompletionRequest"),
         ("/v1/jobs", "JobRequest"),
     ):
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]

@@ -196,3 +196,101 @@ def test_no_reasoning_tokens_without_thinking(codec):
     out.tokens(list(range(1000, 1050)))
     out.finish("length")
     assert _reasoning_counts(out.body()) in ([0], [])
+
+
+# -- Completions (no recipe: tokenizer_svc/completions.py) -------------------------------------
+
+COMPLETION = {"model": MODEL, "prompt": "The weather in Paris is", "max_tokens": 64}
+
+
+def _texts(events) -> list[str]:
+    return [choice["text"] for e in events for choice in json.loads(e.data)["choices"]]
+
+
+def test_a_completion_stop_sequence_never_shows_in_a_chunk(codec, text_tokens):
+    """Tokens one at a time, the stop sequence spread over several: no chunk shows a part of it,
+    and the text ends where it starts."""
+    out = codec.output("completions", {**COMPLETION, "stop": ["sunny day"], "stream": True}, "cmpl-1")
+    events = out.start(prompt_tokens=5)
+    for token in text_tokens(" It is a sunny day, enjoy."):
+        events += out.tokens([token])
+    assert out.complete
+    events += out.finish("length")
+    assert "".join(_texts(events)) == " It is a " and not any("sun" in text for text in _texts(events))
+    assert out.body()["choices"][0] | {"logprobs": None} == {
+        "index": 0,
+        "text": " It is a ",
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+
+
+def test_a_completion_is_the_same_however_its_tokens_are_grouped(codec):
+    tokens = [42799, 58964, 37058, 114612, 37192, 96296, 38789, 110063, 119795, 119590, 86323, 84735]
+    logprobs = [(-1.0 - i, [(token, -1.0 - i)]) for i, token in enumerate(tokens)]
+    body = {**COMPLETION, "logprobs": 1}
+    together, one_by_one = codec.output("completions", body, "a"), codec.output("completions", body, "b")
+    together.start(prompt_tokens=5)
+    together.tokens(tokens, logprobs)
+    one_by_one.start(prompt_tokens=5)
+    for i, token in enumerate(tokens):
+        one_by_one.tokens([token], [logprobs[i]])
+    for stream in (together, one_by_one):
+        stream.finish("length")
+    assert together.body()["choices"] == one_by_one.body()["choices"]
+    choice = together.body()["choices"][0]
+    assert choice["text"].startswith("背景下/the") and together.body()["usage"]["completion_tokens"] == len(tokens)
+    legacy = choice["logprobs"]
+    assert legacy["token_logprobs"] == [entry[0] for entry in logprobs]
+    assert legacy["tokens"][2].startswith("bytes:\\x")  # parts of characters: OpenAI's spelling
+    for token, offset in zip(legacy["tokens"], legacy["text_offset"], strict=True):
+        assert token.startswith("bytes:") or choice["text"][offset:].startswith(token)
+
+
+def test_an_echoed_prompt_comes_first_with_its_logprobs(codec, text_tokens):
+    prompt = text_tokens("The weather in Paris is")
+    scores = [None] + [(-2.0, [(7, -1.5)]) for _ in prompt[1:]]
+    out = codec.output("completions", {**COMPLETION, "prompt": prompt, "echo": True, "logprobs": 1}, "c")
+    first = out.start(prompt_tokens=len(prompt), prompt_logprobs=scores)
+    assert _texts(first) == ["The weather in Paris is"]
+    out.tokens(text_tokens(" sunny"), [(-0.5, [(9, -0.5)])])
+    out.finish("length")
+    choice = out.body()["choices"][0]
+    legacy = choice["logprobs"]
+    assert choice["text"] == "The weather in Paris is sunny"
+    assert legacy["tokens"] == ["The", " weather", " in", " Paris", " is", " sunny"]
+    assert legacy["token_logprobs"] == [None, -2.0, -2.0, -2.0, -2.0, -0.5]
+    assert legacy["top_logprobs"][0] is None and legacy["text_offset"] == [0, 3, 11, 14, 20, 23]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_and_shows_nothing_generated(codec, text_tokens):
+    body = {**COMPLETION, "echo": True, "max_tokens": 0}
+    prompt = codec.prompt("completions", body)
+    assert prompt.max_tokens == 1  # one token is computed; none is shown or counted
+    out = codec.output("completions", body, "c")
+    out.start(prompt_tokens=len(prompt.token_ids))
+    out.tokens(text_tokens(" sunny"))
+    out.finish("length")
+    assert out.body()["choices"][0]["text"] == COMPLETION["prompt"]
+    assert out.body()["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"stop": ["a"] * 17}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"suffix": "end"}, "suffix"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"temperature": -1}, "temperature"),
+    ],
+)
+def test_bad_completion_requests_get_openais_error(codec, options, message):
+    with pytest.raises(ProtocolError) as caught:
+        codec.prompt("completions", {**COMPLETION, **options})
+    assert caught.value.status_code == 400 and message in json.loads(caught.value.body)["error"]["message"]

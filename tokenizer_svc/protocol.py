@@ -16,15 +16,16 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import deepseek_recipe as recipe
 from tokenizers import Tokenizer
 
-from common.api import error_body, protocol_problem
+from common.api import protocol_problem
+from tokenizer_svc.completions import Completions, CompletionStream
 from tokenizer_svc.constraints import ConstraintError, Markup, output_grammar
+from tokenizer_svc.conversion import Event, Prompt, ProtocolError, error_json
 
 ENDPOINTS = {  # endpoint -> (request type, response type); response ids: common.api.response_id
     "chat.completions": (recipe.ChatCompletionRequest, recipe.ChatCompletionResponse),
@@ -33,44 +34,19 @@ ENDPOINTS = {  # endpoint -> (request type, response type); response ids: common
 }
 
 
-class ProtocolError(Exception):
-    """A request the protocol rejects: carries the HTTP status and the protocol's own error body."""
-
-    def __init__(self, status_code: int, body: str):
-        super().__init__(body)
-        self.status_code = status_code
-        self.body = body
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """What the engine needs for one request."""
-
-    model: str
-    token_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stream: bool
-    grammar: str | None = None  # the output constraint the engine enforces (tokenizer_svc/constraints.py)
-    logprobs: int | None = None  # each token's logprob and this many alternatives (0 to 20); None: none
-
-
-@dataclass(frozen=True)
-class Event:
-    """One protocol stream event: its SSE event name (None for unnamed data) and JSON data."""
-
-    name: str | None
-    data: str
-
-
 class Codec:
     """Conversion for one served model: its names, tokenizer and context length."""
 
     def __init__(
-        self, tokenizer_file: str | Path, served_models: Sequence[str], context_limit: int, stop_ids: set[int]
+        self,
+        tokenizer_file: str | Path,
+        served_models: Sequence[str],
+        context_limit: int,
+        stop_ids: set[int],
+        add_bos: bool = False,
     ):
+        """`add_bos`: the tokenizer starts a raw text with its BOS token (Completions' prompts;
+        a chat template writes its own)."""
         self.tokenizer = recipe.Tokenizer.from_file(str(tokenizer_file))
         self.decoder = Tokenizer.from_file(str(tokenizer_file))  # bytes of tokens: see OutputStream.tokens
         self.encoding = recipe.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
@@ -87,6 +63,8 @@ class Codec:
         self.think_start = self.decoder.token_to_id("<think>")
         self.think_end = self.decoder.token_to_id("</think>")
         self.markup = Markup(think_end=self.think_end, dsml=self.decoder.token_to_id("｜DSML｜"))
+        bos = self.decoder.token_to_id("<｜begin▁of▁sentence｜>") if add_bos else None
+        self.completions = Completions(self.decoder, served_models, context_limit, self.stop_ids, bos)
 
     @classmethod
     def for_model(cls, model_path: str | Path, served_model: str) -> Codec:
@@ -94,11 +72,14 @@ class Codec:
         from engine.config import ModelConfig
 
         config = ModelConfig.from_pretrained(model_path)
+        tokenizer_config = Path(model_path) / "tokenizer_config.json"
+        settings = json.loads(tokenizer_config.read_text()) if tokenizer_config.exists() else {}
         return cls(
             Path(model_path) / "tokenizer.json",
             [served_model],
             context_limit=config.max_position_embeddings,
             stop_ids=set(config.eos_token_ids),
+            add_bos=settings.get("add_bos_token") is True,
         )
 
     def convert(self, endpoint: str, body: dict[str, Any] | bytes | str) -> tuple[Any, str]:
@@ -106,7 +87,7 @@ class Codec:
         if endpoint not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
         if isinstance(body, dict) and (problem := protocol_problem(endpoint, body)):
-            raise ProtocolError(400, _error_body(endpoint, problem))
+            raise ProtocolError(400, error_json(endpoint, problem))
         request_type = ENDPOINTS[endpoint][0]
         try:
             request = request_type(body)
@@ -115,11 +96,13 @@ class Codec:
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
         except Exception as err:  # not a JSON object, a number the recipe cannot hold (OverflowError), ...
-            raise ProtocolError(400, _error_body(endpoint, f"unreadable request: {err}")) from err
+            raise ProtocolError(400, error_json(endpoint, f"unreadable request: {err}")) from err
 
     def prompt(self, endpoint: str, body: dict[str, Any] | bytes | str) -> Prompt:
         """What the engine needs for a request, or ProtocolError: whatever in the body makes it
         fail is that request's error, never the service's."""
+        if endpoint == "completions":
+            return self.completions.prompt(body)
         conversation_request, model = self.convert(endpoint, body)
         try:
             token_ids = self.encoding.encode(conversation_request.conversation)
@@ -133,11 +116,11 @@ class Codec:
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
         except Exception as err:
-            raise ProtocolError(400, _error_body(endpoint, f"unreadable request: {err}")) from err
+            raise ProtocolError(400, error_json(endpoint, f"unreadable request: {err}")) from err
         if not (math.isfinite(temperature) and temperature >= 0):
-            raise ProtocolError(400, _error_body(endpoint, f"temperature must be a number >= 0, not {temperature}"))
+            raise ProtocolError(400, error_json(endpoint, f"temperature must be a number >= 0, not {temperature}"))
         if not (math.isfinite(top_p) and 0 < top_p <= 1):
-            raise ProtocolError(400, _error_body(endpoint, f"top_p must be in (0, 1], not {top_p}"))
+            raise ProtocolError(400, error_json(endpoint, f"top_p must be in (0, 1], not {top_p}"))
         grammar = None
         if constraint is not None:
             thinking = bool(token_ids) and token_ids[-1] == self.think_start  # reasoning first, then the answer
@@ -145,7 +128,7 @@ class Codec:
                 one_call = isinstance(body, dict) and _one_call(body)
                 grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.markup, one_call)
             except ConstraintError as err:
-                raise ProtocolError(400, _error_body(endpoint, str(err))) from err
+                raise ProtocolError(400, error_json(endpoint, str(err))) from err
         return Prompt(
             model=model,
             token_ids=list(token_ids),
@@ -158,7 +141,11 @@ class Codec:
             logprobs=logprobs,
         )
 
-    def output(self, endpoint: str, body: dict[str, Any] | bytes | str, response_id: str) -> OutputStream:
+    def output(
+        self, endpoint: str, body: dict[str, Any] | bytes | str, response_id: str
+    ) -> OutputStream | CompletionStream:
+        if endpoint == "completions":
+            return self.completions.output(body, response_id)
         conversation_request, model = self.convert(endpoint, body)
         request_type, response_type = ENDPOINTS[endpoint]
         parsing = conversation_request.parsing_options
@@ -198,7 +185,8 @@ class OutputStream:
         self.think_end: int | None = None  # the token that ends reasoning
         self.reasoning_tokens = 0
 
-    def start(self, prompt_tokens: int, cached_tokens: int = 0) -> list[Event]:
+    def start(self, prompt_tokens: int, cached_tokens: int = 0, prompt_logprobs: Any = None) -> list[Event]:
+        """The opening events (`prompt_logprobs` only matter to Completions' echo)."""
         self.response = self.response_type(self.response_id, self.model, int(time.time()), prompt_tokens, cached_tokens)
         usage = recipe.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
         return self._events(self.processor.push(recipe.InferenceChunk.ready(prompt_usage=usage)))
@@ -278,8 +266,3 @@ def _one_call(body: dict[str, Any]) -> bool:
     choice = body.get("tool_choice")
     anthropic_single = isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True
     return body.get("parallel_tool_calls") is False or anthropic_single
-
-
-def _error_body(endpoint: str, message: str) -> str:
-    """A 400 body in the endpoint's own error format, for input the recipe could not even read."""
-    return json.dumps(error_body(endpoint, message))

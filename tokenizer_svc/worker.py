@@ -36,12 +36,13 @@ from common.routing import Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span
 from common.worker import EarlyCancels, OnTheirWay, Worker
+from tokenizer_svc.completions import CompletionStream
 from tokenizer_svc.protocol import Codec, Event, OutputStream, ProtocolError
 
 
 @dataclass
 class _Job:
-    output: OutputStream
+    output: OutputStream | CompletionStream
     span: Span  # the job's output conversion, from its start to its last tokens
     headers: dict[str, bytes] = field(default_factory=dict)  # the span's context, on every results message
     tokens: StreamCursor[TokensPayload] = field(default_factory=StreamCursor)  # the token ids taken so far
@@ -142,6 +143,7 @@ class TokenizerWorker(Worker):
                     seed=prompt.seed,
                     grammar=prompt.grammar,
                     logprobs=prompt.logprobs,
+                    prompt_logprobs=prompt.prompt_logprobs,
                 ),
                 tenant=request.tenant,
                 retention=request.retention or DEFAULT_RETENTION[request.endpoint],
@@ -205,7 +207,9 @@ class TokenizerWorker(Worker):
             # a replay repeats tokens (skipped) and a message past a gap waits for the ones before it
             for message, taken in job.tokens.take(envelope.seq, len(tokens.token_ids), tokens):
                 if not job.started:  # the stream's first message: prefill's, with the prompt's counts
-                    events += job.output.start(message.prompt_tokens or 0, message.cached_tokens)
+                    events += job.output.start(
+                        message.prompt_tokens or 0, message.cached_tokens, message.prompt_logprobs
+                    )
                     job.started = True
                 if message.token_ids or message.finished:  # its first token is here
                     self.on_their_way.discard(job_id)

@@ -1,0 +1,50 @@
+"""What converting a request gives: the engine's prompt, the client's events, or the protocol's error.
+
+Shared by the protocols deepseek-recipe converts (tokenizer_svc/protocol.py) and the one it
+does not (tokenizer_svc/completions.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from common.api import error_body
+
+
+class ProtocolError(Exception):
+    """A request the protocol rejects: carries the HTTP status and the protocol's own error body."""
+
+    def __init__(self, status_code: int, body: str):
+        super().__init__(body)
+        self.status_code = status_code
+        self.body = body
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the engine needs for one request."""
+
+    model: str
+    token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stream: bool
+    grammar: str | None = None  # the output constraint the engine enforces (tokenizer_svc/constraints.py)
+    logprobs: int | None = None  # each token's logprob and this many alternatives (0 to 20); None: none
+    prompt_logprobs: int | None = None  # the same for each prompt token (Completions' echo); None: none
+
+
+@dataclass(frozen=True)
+class Event:
+    """One protocol stream event: its SSE event name (None for unnamed data) and JSON data."""
+
+    name: str | None
+    data: str
+
+
+def error_json(endpoint: str, message: str) -> str:
+    """An error body in the endpoint's own format, as JSON text."""
+    return json.dumps(error_body(endpoint, message))
