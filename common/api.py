@@ -25,6 +25,7 @@ TENANT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 MAX_BODY_BYTES = 8 << 20
 MAX_NESTING = 100  # deeper than any request of the three protocols nests
+MAX_PROMPTS = 256  # in one Completions request: each is a job
 INT64 = 1 << 63  # JSON integers must fit in 64 bits: seeds, token counts, schema bounds
 
 
@@ -125,7 +126,41 @@ def protocol_problem(endpoint: str, body: dict[str, Any]) -> str | None:
     """A rule of the endpoint's protocol the recipe does not enforce, or None."""
     if endpoint == "messages" and "max_tokens" not in body:
         return "max_tokens: Field required"  # Anthropic's API requires it; without it a request runs to the context
+    if endpoint == "completions" and len(prompts := completion_prompts(body)) > 1:
+        if body.get("stream"):
+            return "stream one prompt per request (a list of prompts is answered whole, without stream)"
+        if len(prompts) > MAX_PROMPTS:
+            return f"prompt: at most {MAX_PROMPTS} prompts per request, not {len(prompts)}"
     return None
+
+
+def completion_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Completions request as one request per prompt: its `prompt` may be a list of prompts
+    (texts or token id lists), which lm-evaluation-harness sends a batch as. Each one is a job;
+    the answer lists their choices (`merge_completions`)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        return [{**body, "prompt": one} for one in prompt]
+    return [body]
+
+
+def merge_completions(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answer to a Completions request with a list of prompts: the first prompt's answer,
+    holding every prompt's choice (index = its place in the list) and their usage summed."""
+    merged = {**answers[0], "choices": []}
+    usage = {
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    for index, answer in enumerate(answers):
+        merged["choices"].append({**answer["choices"][0], "index": index})
+        for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            usage[name] += answer["usage"][name]
+        usage["prompt_tokens_details"]["cached_tokens"] += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    merged["usage"] = usage
+    return merged
 
 
 def usage_counts(endpoint: str, body: dict[str, Any]) -> tuple[int, int, int]:

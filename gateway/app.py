@@ -28,7 +28,9 @@ from common import metrics
 from common.api import (
     ENDPOINTS,
     BadRequest,
+    completion_prompts,
     frame,
+    merge_completions,
     parse_object,
     protocol_problem,
     result_frames,
@@ -288,14 +290,15 @@ def create_app(
         response.headers.update(decision.headers(endpoint == "messages"))
         return response
 
-    def settle_quota(request: Request, result: ResultPayload) -> None:
-        """Correct the minute a call was counted in to the tokens it used (estimated until now)."""
+    def settle_quota(request: Request, *results: ResultPayload) -> None:
+        """Correct the minute a call was counted in to the tokens its jobs used (estimated until now)."""
         taken = getattr(request.state, "quota", None)
-        if taken is None or result.usage is None:
+        if taken is None or any(result.usage is None for result in results):
             return
         decision, estimate = taken
-        usage = result.usage
-        used = usage.cached_input_tokens + usage.uncached_input_tokens + usage.output_tokens
+        used = sum(
+            u.cached_input_tokens + u.uncached_input_tokens + u.output_tokens for u in (r.usage for r in results)
+        )
         asyncio.get_running_loop().run_in_executor(
             None, quotas.settle, request.state.key.id, decision.window, used - estimate
         )
@@ -355,6 +358,8 @@ def create_app(
                 return too_busy(endpoint, retry_after)
             if isinstance(quota := await take_quota(request, endpoint, body), Response):
                 return quota
+        if endpoint == "completions" and len(each := completion_prompts(body)) > 1:
+            return await answer_each(call, request, each, options)
         queue = router.watch(job_id)
         gone = asyncio.create_task(client_gone(request))
         streaming = False
@@ -386,6 +391,50 @@ def create_app(
         finally:
             gone.cancel()
             if not streaming:
+                router.forget(job_id)
+
+    async def answer_each(call: _Call, request: Request, bodies: list[dict], options: dict) -> Response:
+        """A Completions request with a list of prompts: a job per prompt, run together, answered
+        together once every one has ended (the first error, if one fails, and the rest cancelled)."""
+        endpoint = call.endpoint
+        job_ids = [call.job_id, *(uuid.uuid4().hex for _ in bodies[1:])]
+        queues = [router.watch(job_id) for job_id in job_ids]
+        gone = asyncio.create_task(client_gone(request))
+
+        async def last_result(queue: asyncio.Queue) -> ResultPayload:
+            result = await next_result(queue, gone)
+            while not result.done:
+                result = await next_result(queue, gone)
+            return result
+
+        finished: list[ResultPayload] = []
+        try:
+            for job_id, body in zip(job_ids, bodies, strict=True):
+                await enqueue(job_id, endpoint, body, call.span, options)
+            waiting = [asyncio.ensure_future(last_result(queue)) for queue in queues]
+            for arrived in asyncio.as_completed(waiting):
+                result = await arrived
+                finished.append(result)
+                if result.status != 200:
+                    for task in waiting:
+                        task.cancel()
+                    return error_response(endpoint, result)
+            call.first_event()
+            results = [task.result() for task in waiting]
+            settle_quota(request, *results)
+            return JSONResponse(merge_completions([result.body or {} for result in results]))
+        except QueueUnavailable:
+            return queue_unavailable(endpoint)
+        except TimeoutError:
+            return protocol_error(endpoint, 504, "no result in time", "timeout_error")
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            gone.cancel()
+            if len(finished) < len(job_ids) or any(result.status != 200 for result in finished):
+                for job_id in job_ids:  # those still running: nobody will read them
+                    cancel_soon(job_id, call.span)
+            for job_id in job_ids:
                 router.forget(job_id)
 
     async def sse(call: _Call, result: ResultPayload, queue: asyncio.Queue, request: Request) -> AsyncIterator[bytes]:

@@ -135,7 +135,9 @@ class ScriptedModel:
         try:
             while not self._stop.is_set():
                 for record in self._consumer.poll(timeout=0.2):
-                    envelope = decode(record.value, "prefill")
+                    envelope = decode(record.value)
+                    if envelope.type != "prefill":  # a cancel: every job here has already been answered
+                        continue
                     request = PrefillPayload.model_validate(envelope.payload)
                     ids = [*self.tokenizer.encode(self.reply, add_special_tokens=False).ids, self.eos]
                     first = TokensPayload(prompt_tokens=len(request.prompt_token_ids), token_ids=ids[:1])
@@ -499,6 +501,15 @@ class GatewayBehaviour(SDKClients):
         greedy_continuation = best[:1]  # the model's own choice is greedy by lm-eval's reading
         again = oai.completions.create(**{**payload, "prompt": [context + greedy_continuation]}, logprobs=1, echo=True)
         assert lm_eval_reading(again.model_dump()["choices"][0]["logprobs"], ctxlen)[1]
+
+        # a batch of requests, as lm-eval sends it with --batch_size: one choice per prompt, in order
+        batch = oai.completions.create(
+            **{**payload, "prompt": [context + greedy_continuation, context + continuation]}, logprobs=1, echo=True
+        ).model_dump()
+        assert [choice["index"] for choice in batch["choices"]] == [0, 1]
+        assert batch["choices"][1]["logprobs"]["token_logprobs"][:-1] == logprobs["token_logprobs"][:-1]
+        assert batch["choices"][0]["logprobs"]["tokens"] == again.model_dump()["choices"][0]["logprobs"]["tokens"]
+        assert batch["usage"]["prompt_tokens"] == 2 * len(context) + 1 + len(continuation)
         assert reply["choices"][0]["text"].startswith("".join(logprobs["tokens"][:-1]))
 
     def test_completions_refuse_what_they_cannot_do(self, service, oai):
@@ -507,8 +518,9 @@ class GatewayBehaviour(SDKClients):
             ({"logprobs": 21}, 400, "logprobs"),
             ({"extra_body": {"top_k": 5}}, 400, "top_k"),
             ({"max_tokens": 10**6}, 400, "maximum context length"),
-            ({"prompt": ["one", "two"]}, 400, "one prompt per request"),
-            ({"prompt": [[1, 2], [3]]}, 400, "one prompt per request"),
+            ({"prompt": ["one", "two"], "stream": True}, 400, "stream one prompt per request"),
+            ({"prompt": ["one", "two", ""]}, 400, "empty"),
+            ({"prompt": ["x"] * 257}, 400, "at most 256 prompts"),
             ({"prompt": [1, 10**9]}, 400, "vocabulary"),
             ({"prompt": ""}, 400, "empty"),
             ({"max_tokens": 0}, 400, "echo"),

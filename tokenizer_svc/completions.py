@@ -98,7 +98,8 @@ class Completions:
         if request.model not in self.served_models:
             raise ProtocolError(404, error_json("completions", f"the model {request.model!r} does not exist"))
         if isinstance(request.prompt, list) and isinstance(request.prompt[0], (str, list)) and len(request.prompt) > 1:
-            raise _bad("one prompt per request: send a list of prompts as separate requests")
+            # POST /v1/completions runs each prompt of a list as a job of its own (common/api.py)
+            raise _bad("one prompt per job: a list of prompts is taken by POST /v1/completions only")
         stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
         if len(stops) > MAX_STOP_SEQUENCES or not all(stops):
             raise _bad(f"stop: up to {MAX_STOP_SEQUENCES} non-empty strings")
