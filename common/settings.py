@@ -58,3 +58,5 @@ class Settings(BaseSettings):
     files_dir: str = ".cache/files"
     batch_in_flight: int = 64
     batch_round_seconds: float = 1.0
+    # how long a stored response (Responses' `store`, the default) is kept for GET and previous_response_id
+    responses_keep_seconds: float = 30 * 86400

@@ -219,6 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
         batch_rounds=settings.batch_round_seconds,
         batch_in_flight=settings.batch_in_flight,
         require_keys=_keys_required(settings, args.host),
+        responses_keep_seconds=settings.responses_keep_seconds,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=settings.drain_seconds
@@ -311,6 +312,7 @@ def _service(args: argparse.Namespace) -> int:
             files_dir=settings.files_dir,
             require_keys=_keys_required(settings, args.host),
             quotas=RedisQuotas(settings.redis_url, settings.topic_prefix),
+            responses_keep_seconds=settings.responses_keep_seconds,
         )
         print(f"deepmesh gateway on http://{args.host}:{args.port}/v1", file=sys.stderr)
         uvicorn.run(

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -40,6 +41,8 @@ from common.api import (
 from common.bus import Bus, MemoryBus
 from common.messages import ResultPayload
 from common.replicas import ReplicaTable
+from common.responses import queued as queued_response
+from common.responses import queued_job_problem
 from common.topics import Topic, topic_name
 from common.tracing import Span, http_telemetry, job_span, start_span
 from gateway import schemas
@@ -54,6 +57,7 @@ from gateway.jobs import FINAL, JobStore
 from gateway.keys import KeyStore
 from gateway.ledger import Ledger, day_of
 from gateway.quotas import Decision, MemoryQuotas, RedisQuotas, estimate_tokens
+from gateway.responses_api import StoredResponses, response_routes
 from gateway.results import JobRecorder, ResultRouter
 
 JSON_MEDIA_TYPE = re.compile(r"application/(.+\+)?json", re.IGNORECASE)
@@ -150,6 +154,7 @@ def create_app(
     batch_in_flight: int = 64,
     require_keys: bool = False,
     quotas: MemoryQuotas | RedisQuotas | None = None,
+    responses_keep_seconds: float = 30 * 86400,
 ) -> FastAPI:
     """The API over the bus. `cache_stats`: the embedded mode's KV cache statistics, which the
     gateway then serves at GET /v1/cache/stats (distributed, the cache service serves them).
@@ -158,7 +163,8 @@ def create_app(
     queued. `files_dir`: uploaded and batch output files. `batch_rounds`: run the batch runner
     in this process, a round every so many seconds (embedded; distributed, Celery runs it).
     `require_keys`: every /v1 call needs an API key (gateway/keys.py), which decides its tenant
-    and its rate limits, counted in `quotas` (Redis across replicas; in memory by default)."""
+    and its rate limits, counted in `quotas` (Redis across replicas; in memory by default).
+    `responses_keep_seconds`: how long a stored response (Responses' `store`) is kept."""
     admission = Admission(replicas, admission_wait_seconds) if replicas is not None else None
     results_topic = topic_name(Topic.RESULTS, topic_prefix)
     router = ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}")
@@ -167,6 +173,7 @@ def create_app(
     batches = BatchStore(jobs.session) if jobs is not None else None
     keys = KeyStore(jobs.session) if jobs is not None else None
     ledger = Ledger(jobs.session) if jobs is not None else None
+    stored_responses = StoredResponses(jobs, responses_keep_seconds) if jobs is not None else None
     recorder = JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs, ledger=ledger)
     quotas = quotas if quotas is not None else MemoryQuotas()
     stop_batches = threading.Event()
@@ -223,6 +230,13 @@ def create_app(
         response.headers.update(err.headers or {})
         return response
 
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameters(request: Request, err: RequestValidationError) -> JSONResponse:
+        """A path or query parameter of the wrong type, in the protocol's shape (not FastAPI's 422)."""
+        problem = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid"}
+        where = ".".join(str(part) for part in problem["loc"])
+        return protocol_error(endpoint_of(request), 400, f"{where}: {problem['msg']}")
+
     @app.exception_handler(Refused)
     async def refused(request: Request, err: Refused) -> JSONResponse:
         return err.response
@@ -273,6 +287,7 @@ def create_app(
         return tenant or "default"
 
     app.include_router(batch_routes(files, batches, tenant_of))
+    app.include_router(response_routes(stored_responses, tenant_of, lambda job_id: dispatcher.cancel(job_id, None)))
 
     async def take_quota(request: Request, endpoint: str, body: dict) -> Decision | Response | None:
         """Count the call against its API key's limits: the decision, a 429 in the protocol's
@@ -360,38 +375,63 @@ def create_app(
                 return quota
         if endpoint == "completions" and len(each := completion_prompts(body)) > 1:
             return await answer_each(call, request, each, options)
+        # Responses' state: the previous response's conversation first, this one stored (common/responses.py)
+        stored, background = False, endpoint == "responses" and bool(body.get("background"))
+        if endpoint == "responses" and not count_only and stored_responses is not None:
+            prepared = await asyncio.to_thread(stored_responses.prepare, job_id, body, options["tenant"])
+            if isinstance(prepared, Response):
+                return prepared
+            body, stored = prepared
+        # an answer stored as it runs: its outcome stored by the time the client has it
+        keep = stored_responses.finish if stored and not background else None
         queue = router.watch(job_id)
         gone = asyncio.create_task(client_gone(request))
         streaming = False
         try:
             await enqueue(job_id, endpoint, body, call.span, options)
+            if background and not body.get("stream"):  # the client polls, cancels or streams it later
+                return JSONResponse(queued_response(job_id, body))
             result = await next_result(queue, gone)
             call.first_event()
             if result.done and result.status != 200:
+                if keep is not None:
+                    await asyncio.to_thread(keep, job_id, result)
                 return error_response(endpoint, result)
             if body.get("stream"):
                 streaming = True  # from here the stream watches the client (Starlette) and owns the job
                 return StreamingResponse(
-                    sse(call, result, queue, request),
+                    sse(call, result, queue, request, keep, detached=background),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             while not result.done:
                 result = queue.get_nowait() if not queue.empty() else await next_result(queue, gone)
             settle_quota(request, result)
+            if keep is not None:
+                await asyncio.to_thread(keep, job_id, result)
             return JSONResponse(result.body, status_code=result.status)
         except QueueUnavailable:
+            if stored:  # not accepted after all: nothing stays stored that nothing will answer
+                await asyncio.to_thread(jobs.delete, job_id)
             return queue_unavailable(endpoint)
         except TimeoutError:
-            cancel_soon(job_id, call.span)
+            abandon(call, stored, background)
             return protocol_error(endpoint, 504, "no result in time", "timeout_error")
         except ClientGone:
-            cancel_soon(job_id, call.span)  # nobody is waiting for the rest: stop computing it
+            abandon(call, stored, background)  # nobody is waiting for the rest: stop computing it
             return Response(status_code=499)  # never sent; counted as nginx's "client closed request"
         finally:
             gone.cancel()
             if not streaming:
                 router.forget(job_id)
+
+    def abandon(call: _Call, stored: bool, background: bool) -> None:
+        """Nobody waits for the job's answer any more: cancel it, unless it runs in the background."""
+        if background:
+            return
+        cancel_soon(call.job_id, call.span)
+        if stored:
+            asyncio.get_running_loop().run_in_executor(None, jobs.cancel, call.job_id)
 
     async def answer_each(call: _Call, request: Request, bodies: list[dict], options: dict) -> Response:
         """A Completions request with a list of prompts: a job per prompt, run together, answered
@@ -437,12 +477,22 @@ def create_app(
             for job_id in job_ids:
                 router.forget(job_id)
 
-    async def sse(call: _Call, result: ResultPayload, queue: asyncio.Queue, request: Request) -> AsyncIterator[bytes]:
+    async def sse(
+        call: _Call,
+        result: ResultPayload,
+        queue: asyncio.Queue,
+        request: Request,
+        keep: Callable[[str, ResultPayload], None] | None = None,
+        detached: bool = False,
+    ) -> AsyncIterator[bytes]:
         """Events as they arrive, each `event:` (when the protocol names it) and `data:`; what
-        arrived together goes out in one write. A client that leaves mid-stream cancels the job."""
+        arrived together goes out in one write. A client that leaves mid-stream cancels the job,
+        unless it is `detached` (a background response). `keep`: stores the outcome first."""
         arrived = [result]
         try:
             while True:
+                if arrived[-1].done and keep is not None:
+                    await asyncio.to_thread(keep, call.job_id, arrived[-1])
                 yield result_frames(arrived)
                 if arrived[-1].done:
                     settle_quota(request, arrived[-1])
@@ -452,7 +502,7 @@ def create_app(
                     arrived.append(queue.get_nowait())
         finally:
             if not arrived[-1].done:  # the client left, or no result came in time
-                cancel_soon(call.job_id, call.span)
+                abandon(call, keep is not None, detached)
             router.forget(call.job_id)
             call.end(200)
 
@@ -491,13 +541,15 @@ def create_app(
         options = cache_options("jobs", request, body)
         if isinstance(options, Response):
             return options
-        if problem := protocol_problem(endpoint, body):
+        if problem := protocol_problem(endpoint, body) or queued_job_problem(endpoint, body):
             return protocol_error("jobs", 400, problem)
         if isinstance(quota := await take_quota(request, "jobs", body), Response):
             return quota
         job_id = uuid.uuid4().hex
         with job_span("submit job", job_id, **{"deepmesh.endpoint": endpoint}) as span:
-            job = await asyncio.to_thread(jobs.create, job_id, endpoint, {**body, "stream": False})
+            job = await asyncio.to_thread(
+                jobs.create, job_id, endpoint, {**body, "stream": False}, tenant=options["tenant"]
+            )
             try:
                 await enqueue(job_id, endpoint, {**body, "stream": False}, span, options)
             except QueueUnavailable:  # not accepted after all: no job stays queued that nothing will run

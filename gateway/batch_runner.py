@@ -85,6 +85,7 @@ class BatchRunner:
         self._stop()
         self._send_more()
         self._finalise()
+        self.jobs.purge_expired()  # stored responses past their keep time (this runner runs on a clock)
 
     # -- steps -----------------------------------------------------------------------------------
 

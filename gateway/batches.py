@@ -26,6 +26,7 @@ from sqlalchemy import JSON, Float, ForeignKey, Integer, String, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from common.api import MAX_BODY_BYTES, BadRequest, error_body, protocol_problem, usage_counts
+from common.responses import queued_job_problem
 from gateway.jobs import Base, Job
 
 MAX_REQUESTS = 50_000
@@ -432,7 +433,7 @@ def anthropic_line(request: BatchRequest, job: Job | None) -> bytes:
 
 def problem_of(endpoint: str, body: dict[str, Any]) -> str | None:
     """Why a batch request's body cannot run at all, before it is sent (the rest the tokenizer checks)."""
-    return protocol_problem(endpoint, body)
+    return protocol_problem(endpoint, body) or queued_job_problem(endpoint, body)
 
 
 def usage_of(endpoint: str, results: list[dict[str, Any] | None]) -> dict[str, Any]:

@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, select
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, Text, delete, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from common.database import open_database
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 FINAL = ("succeeded", "failed", "cancelled")
-Recorded = Literal["stored", "ignored", "gap"]
+Recorded = Literal["stored", "ignored", "gap", "outcome_only"]
 
 
 class Base(DeclarativeBase):
@@ -38,11 +38,34 @@ class Job(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     done_data: Mapped[str | None] = mapped_column(Text, nullable=True)
     event_count: Mapped[int] = mapped_column(Integer, default=0)  # events 0 .. event_count - 1 are stored
+    tenant: Mapped[str] = mapped_column(String(64), default="default")  # whose it is: nobody else reads it
+    # store the events (to replay them), or only the outcome (a stored response answered as it ran)
+    keep_events: Mapped[bool] = mapped_column(Boolean, default=True)
+    expires_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)  # None: kept
 
     @classmethod
-    def queued(cls, job_id: str, endpoint: str, body: dict[str, Any]) -> Job:
-        """A new job, not yet run."""
-        return cls(id=job_id, endpoint=endpoint, body=body, status="queued", created_at=time.time(), event_count=0)
+    def queued(
+        cls,
+        job_id: str,
+        endpoint: str,
+        body: dict[str, Any],
+        tenant: str = "default",
+        keep_events: bool = True,
+        keep_seconds: float | None = None,
+    ) -> Job:
+        """A new job, not yet run; deleted `keep_seconds` after it was created (None: kept)."""
+        now = time.time()
+        return cls(
+            id=job_id,
+            endpoint=endpoint,
+            body=body,
+            status="queued",
+            created_at=now,
+            event_count=0,
+            tenant=tenant,
+            keep_events=keep_events,
+            expires_at=now + keep_seconds if keep_seconds is not None else None,
+        )
 
     def to_api(self) -> dict[str, Any]:
         succeeded = self.status == "succeeded"
@@ -73,8 +96,9 @@ class JobStore:
     def __init__(self, url: str):
         self.engine, self.session = open_database(url, MIGRATIONS)
 
-    def create(self, job_id: str, endpoint: str, body: dict[str, Any]) -> Job:
-        job = Job.queued(job_id, endpoint, body)
+    def create(self, job_id: str, endpoint: str, body: dict[str, Any], **options: Any) -> Job:
+        """`options`: Job.queued's (tenant, keep_events, keep_seconds)."""
+        job = Job.queued(job_id, endpoint, body, **options)
         with self.session.begin() as s:
             s.add(job)
         return job
@@ -102,7 +126,8 @@ class JobStore:
         """Store one results message of a job: its events, by their index in the job's stream
         (`first_event` is the first one's), and when done the outcome. "ignored" when there is
         nothing to store for this id (not an async job, or one that has ended); "gap" when the
-        message starts past the events stored so far (the caller holds it until they arrive).
+        message starts past the events stored so far (the caller holds it until they arrive);
+        "outcome_only" for a job that keeps no events (only its end will change it again).
 
         Idempotent: events already stored, however a replay regroups them, are skipped.
         """
@@ -110,11 +135,12 @@ class JobStore:
             job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.status in FINAL:
                 return "ignored"
-            if first_event > job.event_count:
-                return "gap"
-            for index, (name, data) in enumerate(events, start=first_event):
-                if index >= job.event_count:
-                    s.add(JobEvent(job_id=job_id, seq=index, name=name, data=data))
+            if job.keep_events:
+                if first_event > job.event_count:
+                    return "gap"
+                for index, (name, data) in enumerate(events, start=first_event):
+                    if index >= job.event_count:
+                        s.add(JobEvent(job_id=job_id, seq=index, name=name, data=data))
             job.event_count = max(job.event_count, first_event + len(events))
             now = time.time()
             if job.status == "queued":
@@ -122,7 +148,7 @@ class JobStore:
             if done:
                 job.status = "succeeded" if status == 200 else "failed"
                 job.finished_at, job.status_code, job.result, job.done_data = now, status, body, done_data
-            return "stored"
+            return "stored" if job.keep_events or done else "outcome_only"
 
     def cancel(self, job_id: str) -> Job | None:
         with self.session.begin() as s:
@@ -130,6 +156,18 @@ class JobStore:
             if job is not None and job.status not in FINAL:
                 job.status, job.finished_at = "cancelled", time.time()
             return job
+
+    def purge_expired(self, now: float | None = None) -> int:
+        """Delete the jobs past their expiry (their events go with them); how many."""
+        with self.session.begin() as s:
+            gone = s.execute(delete(Job).where(Job.expires_at < (now if now is not None else time.time())))
+            return gone.rowcount or 0
+
+    def last_event(self, job_id: str, names: frozenset[str]) -> JobEvent | None:
+        """The job's latest event of one of these names."""
+        with self.session() as s:
+            query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.name.in_(names))
+            return s.scalars(query.order_by(JobEvent.seq.desc()).limit(1)).first()
 
     def events(self, job_id: str, after: int = -1) -> list[JobEvent]:
         with self.session() as s:

@@ -135,6 +135,9 @@ class JobRecorder:
     # Ids with nothing to record: synchronous calls (most of the traffic) and ended jobs. A job's
     # row is written before its request is produced, so one lookup per id settles it.
     _ignored: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # jobs that keep only their outcome (stored responses answered as they ran): until their
+    # last message, nothing to store
+    _outcome_only: OrderedDict[str, None] = field(default_factory=OrderedDict)
     # messages that start past the events stored so far, until the ones before them arrive
     _ahead: dict[str, list[tuple[Record, Envelope, ResultPayload]]] = field(default_factory=dict)
     watermarks: Watermarks = field(default_factory=Watermarks)  # a held message's record stays uncommitted
@@ -179,7 +182,8 @@ class JobRecorder:
             envelope, result = read
             if result.done and result.usage is not None:
                 answered.append((envelope.job_id, result.usage))
-            if envelope.job_id not in self._ignored:
+            waiting_for_end = envelope.job_id in self._outcome_only and not result.done
+            if envelope.job_id not in self._ignored and not waiting_for_end:
                 self._store(record, envelope, result)
         if self.ledger is not None:
             self.ledger.record(answered)  # before the commit: a failure reads these again
@@ -193,10 +197,11 @@ class JobRecorder:
         if outcome == "gap":
             self._ahead.setdefault(job_id, []).append((record, envelope, result))
             self.watermarks.hold(record, job_id)
-        elif outcome == "ignored":
-            self._ignored[job_id] = None
-            if len(self._ignored) > 100_000:
-                self._ignored.popitem(last=False)
+        elif outcome in ("ignored", "outcome_only"):
+            remembered = self._ignored if outcome == "ignored" else self._outcome_only
+            remembered[job_id] = None
+            if len(remembered) > 100_000:
+                remembered.popitem(last=False)
         if outcome != "gap" and job_id in self._ahead:  # the stored events may close the gap
             waiting = sorted(self._ahead.pop(job_id), key=lambda held: held[1].seq)
             self.watermarks.release(job_id)

@@ -551,6 +551,96 @@ class GatewayBehaviour(SDKClients):
         assert events[-1].type in ("response.completed", "response.incomplete")
         assert events[-1].response.usage.output_tokens == 6
 
+    def test_a_stored_response_is_continued_fetched_listed_and_deleted(self, service, oai):
+        """`store` (the default): GET returns what the create returned; `previous_response_id`
+        puts the stored conversation before the new input (its prompt is the first turn's, from
+        the cache, and its answer a cold run's over the whole conversation); input_items lists
+        it; another tenant, an unknown id and a deleted one are 404s in OpenAI's shape."""
+        options = {"model": MODEL, "temperature": 0, "reasoning": {"effort": "none"}}
+        first = oai.responses.create(input=f"Name a message broker. ({service.url})", max_output_tokens=6, **options)
+        assert first.store is True and first.previous_response_id is None
+        assert oai.responses.retrieve(first.id).model_dump() == first.model_dump()
+        second = oai.responses.create(
+            input="And another?", previous_response_id=first.id, max_output_tokens=8, **options
+        )
+        assert second.previous_response_id == first.id
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+        conversation = [
+            {"role": "user", "content": f"Name a message broker. ({service.url})"},
+            *[item.model_dump(exclude_none=True) for item in first.output],
+            {"role": "user", "content": "And another?"},
+        ]
+        cold = {
+            "model": MODEL,
+            "input": conversation,
+            "max_output_tokens": 8,
+            "temperature": 0,
+            "reasoning": {"effort": "none"},
+        }
+        expected = one_process_answer(service.model, cold, "responses")
+        assert second.output_text == "".join(
+            part["text"] for item in expected["output"] if item["type"] == "message" for part in item["content"]
+        )
+        items = oai.responses.input_items.list(second.id, order="asc")
+        assert [item.type for item in items.data] == ["message", "message", "message"]
+        assert items.data[-1].content[0].text == "And another?" and items.data[1].role == "assistant"
+        assert [i.id for i in oai.responses.input_items.list(second.id, limit=1, order="asc").data] == [
+            items.data[0].id
+        ]
+
+        other = openai.OpenAI(base_url=oai.base_url, api_key="unused", default_headers={"X-DeepMesh-Tenant": "other"})
+        for call in (
+            lambda: other.responses.retrieve(first.id),
+            lambda: other.responses.create(input="Hi", previous_response_id=first.id, **options),
+            lambda: oai.responses.retrieve("resp-unknown"),
+        ):
+            with pytest.raises(openai.NotFoundError) as caught:
+                call()
+            assert set(caught.value.body) >= {"message", "type"} and "not found" in caught.value.message
+        unstored = oai.responses.create(input="Hi", store=False, max_output_tokens=2, **options)
+        with pytest.raises(openai.NotFoundError):
+            oai.responses.retrieve(unstored.id)
+        oai.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            oai.responses.retrieve(first.id)
+        with pytest.raises(openai.BadRequestError, match="background"):
+            oai.responses.create(input="Hi", background=True, store=False, **options)
+
+    def test_a_background_response_is_polled_resumed_by_sequence_number_and_cancelled(self, service, oai):
+        """`background: true`: the create answers at once (queued); polling reaches the answer a
+        plain call gives; its event stream, started live, dropped and resumed with
+        `starting_after`, is the whole stream once, in order; cancel stops a running one."""
+        options = {"model": MODEL, "temperature": 0, "reasoning": {"effort": "none"}, "input": "Tell me about Kafka."}
+        plain = oai.responses.create(**options, max_output_tokens=24)
+        queued = oai.responses.create(**options, max_output_tokens=24, background=True)
+        assert queued.status in ("queued", "in_progress") and queued.background is True
+        eventually(lambda: oai.responses.retrieve(queued.id).status not in ("queued", "in_progress"), 60, "never done")
+        done = oai.responses.retrieve(queued.id)
+        assert done.output_text == plain.output_text and done.background is True
+
+        live = oai.responses.create(**options, max_output_tokens=24, background=True, stream=True)
+        seen = []
+        for event in live:
+            seen.append(event)
+            if len(seen) == 5:
+                break
+        live.close()  # the client leaves: a background response runs on
+        rest = list(oai.responses.retrieve(seen[0].response.id, stream=True, starting_after=seen[-1].sequence_number))
+        events = seen + rest
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert events[-1].response.output_text == plain.output_text
+        replayed = list(oai.responses.retrieve(seen[0].response.id, stream=True))
+        assert [e.model_dump() for e in replayed] == [e.model_dump() for e in events]
+
+        long = oai.responses.create(**options, max_output_tokens=3000, background=True)
+        eventually(lambda: oai.responses.retrieve(long.id).status == "in_progress", 60, "never started")
+        cancelled = oai.responses.cancel(long.id)
+        assert cancelled.status == "cancelled" and oai.responses.retrieve(long.id).status == "cancelled"
+        eventually(lambda: service.decode_running() == 0, 20, "decode kept generating a cancelled response")
+        with pytest.raises(openai.BadRequestError, match="background"):
+            oai.responses.cancel(plain.id)
+
     def test_messages_stream_and_not(self, claude):
         greedy = {"extra_body": {"temperature": 0, **GREEDY["extra_body"]}}  # never an early sampled end
         reply = claude.messages.create(model=MODEL, max_tokens=10, messages=QUESTION, **greedy)

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import openai
 import pytest
 
 from common.bus import KafkaBus
@@ -221,7 +222,9 @@ def test_one_job_is_one_trace_across_the_processes(cluster):
 
 def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(cluster, model):
     """SIGKILL decode mid-answer, an answer under a JSON schema: the new decode recomputes the
-    state and the grammar's from the tokens so far, and the stream goes on as one process's."""
+    state and the grammar's from the tokens so far, and the stream goes on as one process's.
+    A background response running meanwhile ends as one process's answer too, its stored
+    events each once, in order."""
     notes = {"type": "array", "items": {"type": "string", "pattern": "^[a-z ]{0,24}$"}, "minItems": 500}
     schema = {"type": "object", "properties": {"notes": notes}, "required": ["notes"], "additionalProperties": False}
     body = {
@@ -244,9 +247,14 @@ def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(clu
                     if len(chunks) >= 20:
                         started.set()
 
+    background = {"model": MODEL, "input": QUESTION, "max_output_tokens": 300, "temperature": 0}
+    background |= {"reasoning": {"effort": "none"}, "background": True}
+    oai = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    queued = oai.responses.create(**background)
     reader = threading.Thread(target=read_stream)
     reader.start()
     assert started.wait(timeout=120), "no tokens streamed"
+    assert oai.responses.retrieve(queued.id).status == "in_progress"
     victim = next(p for n, p in cluster.processes.items() if n.startswith("decode") and p.poll() is None)
     victim.kill()  # SIGKILL mid-generation: no goodbye, no commit
     victim.wait()
@@ -257,6 +265,16 @@ def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(clu
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert text.startswith('{"notes":["')  # under its schema all along
     assert text == one_process_answer(model, body)["choices"][0]["message"]["content"]
+
+    deadline = time.monotonic() + 300
+    while (answer := oai.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response never finished"
+        time.sleep(0.2)
+    expected = one_process_answer(model, {**background, "background": False}, "responses")
+    assert answer.output_text == expected["output"][-1]["content"][0]["text"]
+    events = list(oai.responses.retrieve(queued.id, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == answer.output_text
 
 
 def test_a_batch_survives_its_gateway_and_its_runner_being_killed(cluster):

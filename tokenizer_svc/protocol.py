@@ -23,6 +23,7 @@ import deepseek_recipe as recipe
 from tokenizers import Tokenizer
 
 from common.api import protocol_problem
+from common.responses import RESPONSE_EVENTS
 from tokenizer_svc.completions import Completions, CompletionStream
 from tokenizer_svc.constraints import ConstraintError, Markup, output_grammar
 from tokenizer_svc.conversion import Event, Prompt, ProtocolError, error_json
@@ -156,6 +157,12 @@ class Codec:
         stage = parsing.thinking_initial_stage
         stream.reasoning = stage is not None and stage != recipe.ThinkingInitialStage.ContentContinuation
         stream.think_end = self.think_end
+        if endpoint == "responses" and isinstance(body, dict):  # the recipe reports these false and null
+            stream.stated = {
+                "store": body.get("store") is not False,
+                "background": bool(body.get("background")),
+                "previous_response_id": body.get("previous_response_id"),
+            }
         return stream
 
 
@@ -184,6 +191,7 @@ class OutputStream:
         self.reasoning = False  # the tokens generated so far are reasoning (the answer has not started)
         self.think_end: int | None = None  # the token that ends reasoning
         self.reasoning_tokens = 0
+        self.stated: dict[str, Any] = {}  # Responses' state options, as the request gave them (common/responses.py)
 
     def start(self, prompt_tokens: int, cached_tokens: int = 0, prompt_logprobs: Any = None) -> list[Event]:
         """The opening events (`prompt_logprobs` only matter to Completions' echo)."""
@@ -238,15 +246,19 @@ class OutputStream:
 
     def body(self) -> dict[str, Any]:
         """The complete (non-streamed) response accumulated from every event so far."""
-        return self._count_reasoning(json.loads(self.response.to_json()))
+        return {**self._count_reasoning(json.loads(self.response.to_json())), **self.stated}
 
     def _events(self, chunks: list[Any]) -> list[Event]:
         events = []
         for chunk in chunks:
-            data = chunk.to_json()
-            if '"reasoning_tokens"' in data:  # a usage: Chat Completions' last chunk, response.completed
-                data = json.dumps(self._count_reasoning(json.loads(data)), ensure_ascii=False, separators=(",", ":"))
-            events.append(Event(self.response_type.sse_event_name(chunk), data))
+            data, name = chunk.to_json(), self.response_type.sse_event_name(chunk)
+            # a usage (Chat Completions' last chunk, response.completed), or a whole response object
+            if '"reasoning_tokens"' in data or (self.stated and name in RESPONSE_EVENTS):
+                restated = self._count_reasoning(json.loads(data))
+                if isinstance(restated.get("response"), dict):
+                    restated["response"].update(self.stated)
+                data = json.dumps(restated, ensure_ascii=False, separators=(",", ":"))
+            events.append(Event(name, data))
             self.response.accumulate(chunk)
         return events
 
