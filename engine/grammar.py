@@ -1,11 +1,12 @@
 """Constrained decoding: a grammar per request, enforced by masking every token it does not allow.
 
 llguidance compiles the grammar (a JSON schema, a regular expression or a Lark grammar, as the
-JSON text `LLMatcher.grammar_from_*` writes) against the model's tokenizer. Each step, every
-constrained sequence's matcher writes the tokens it allows as a bitmask row (one bit per token);
-the sampler sets the logits of the others to -inf, so a greedy or sampled choice is always one
-the grammar takes, and the matcher then consumes it. Unconstrained rows of the same batch are
-untouched. Why llguidance and not xgrammar: README, "Structured outputs".
+JSON text `LLMatcher.grammar_from_*` writes) against the model's tokenizer. Each step the
+sampler (engine/sampler.py) asks a constrained sequence's matcher whether it allows the token
+chosen as if free, then a few more likely ones; only when it allows none of them does the
+matcher write every token it allows, as a bitmask row (one bit per token), and the choice is
+made among those. The matcher then consumes the token. Unconstrained rows of the same batch
+are untouched. Why llguidance and not xgrammar: README, "Structured outputs".
 
 A matcher is a function of the tokens it consumed: an engine that continues a request from its
 tokens (a hand-over, a replay after a kill) feeds it the output so far, and the request goes on
@@ -14,6 +15,7 @@ exactly where it was.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import llguidance
@@ -34,6 +36,7 @@ class GrammarCompiler:
             str(tokenizer_file), n_vocab=vocab_size, eos_token=eos_token_id, slices=llguidance.LLTokenizer.json_slices()
         )
         self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
         self.executor = llguidance.LLExecutor(num_threads=2)
 
     def matcher(self, grammar: str, consumed: list[int]) -> llguidance.LLMatcher:
@@ -45,36 +48,52 @@ class GrammarCompiler:
             raise InvalidRequestError(f"the output so far does not match its constraint: {matcher.get_error()}")
         return matcher
 
-    def constrain(self, logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> None:
-        """Set, in place, the logits of every token a row's grammar does not allow to -inf (rows
-        without a matcher unchanged)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
-        work = [(matchers[i], n) for n, i in enumerate(rows)]
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, work, bitmask)
-        bitmask = bitmask.to(logits.device)
-        if rows == list(range(len(rows))) and logits.shape[1] == words * 32:
-            self._mask_blocks(logits[: len(rows)].view(len(rows), words, 32), bitmask)  # in place: a view
-            return
-        index = torch.tensor(rows, device=logits.device)
-        shared = min(logits.shape[1], words * 32)
-        blocks = torch.full((len(rows), words * 32), float("-inf"), dtype=logits.dtype, device=logits.device)
-        blocks[:, :shared] = logits[index, :shared]
-        self._mask_blocks(blocks.view(len(rows), words, 32), bitmask)
-        chosen = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=logits.device)
-        chosen[:, :shared] = blocks[:, :shared]  # tokens past the tokenizer's: never allowed
-        logits[index] = chosen
+    def step(self, matchers: list[llguidance.LLMatcher | None]) -> StepGrammars:
+        """The grammars of one step's rows (None: a row without one), as the sampler uses them."""
+        return StepGrammars(self, matchers)
 
-    @staticmethod
-    def _mask_blocks(blocks: torch.Tensor, bitmask: torch.Tensor) -> None:
-        """`blocks` [rows, words, 32]: bit j of word w is token 32w + j. Most words of a mask are
-        all refused (0) or all allowed (-1): whole words at once, then the few mixed ones' bits."""
-        blocks.masked_fill_((bitmask == 0).unsqueeze(-1), float("-inf"))
-        mixed = ((bitmask != 0) & (bitmask != -1)).nonzero(as_tuple=True)
-        if len(mixed[0]):
-            bits = (bitmask[mixed].unsqueeze(1) >> _BITS.to(bitmask.device)) & 1
-            blocks[mixed] = blocks[mixed].masked_fill(bits == 0, float("-inf"))
+    def allowed(self, matchers: list[llguidance.LLMatcher]) -> list[torch.Tensor]:
+        """The ids of the tokens each matcher allows next, ascending (from its bitmask: bit j of
+        word w is token 32w + j)."""
+        if not matchers:
+            return []
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m, n) for n, m in enumerate(matchers)], bitmask)
+        allowed = []
+        for row in bitmask:
+            (used,) = row.nonzero(as_tuple=True)  # most words allow none of their 32 tokens, or all
+            bits = ((row[used].unsqueeze(1) >> _BITS) & 1).bool()
+            ids = (used.unsqueeze(1) * 32 + _BITS)[bits]
+            allowed.append(ids[ids < self.vocab_size])
+        return allowed
+
+
+class StepGrammars:
+    """One step's rows under a grammar: what engine/sampler.py asks of them."""
+
+    def __init__(self, compiler: GrammarCompiler, matchers: list[llguidance.LLMatcher | None]):
+        self.compiler = compiler
+        self.matchers = matchers
+        self.rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+
+    def first_allowed(self, row: int, candidates: Iterable[int]) -> int | None:
+        matcher = self.matchers[row]
+        # where the grammar forces text, its mask allows one token, the text's own (canonical)
+        # tokenization, while validate_tokens takes any spelling of it ("fore" "cas" "t"): a
+        # forced token is the answer, whatever the candidates
+        if forced := matcher.compute_ff_tokens():
+            return forced[0]
+        return next((token for token in candidates if self._allows(matcher, token)), None)
+
+    def _allows(self, matcher: llguidance.LLMatcher, token: int) -> bool:
+        """As its mask would: the end of sequence once the output may end (validate_tokens refuses it)."""
+        if token == self.compiler.eos_token_id:
+            return matcher.is_accepting()
+        return matcher.validate_tokens([token]) == 1
+
+    def allowed(self, rows: list[int]) -> list[torch.Tensor]:
+        return self.compiler.allowed([self.matchers[i] for i in rows])
 
 
 def consume(matcher: llguidance.LLMatcher, token: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import random
 from collections.abc import Iterator
@@ -400,10 +399,8 @@ class LLMEngine:
             return outputs
         logits = self.model.compute_logits(torch.stack(rows))
         matchers = [seq.matcher for seq in sampled]
-        constrain = None
-        if any(m is not None for m in matchers):
-            constrain = functools.partial(self.grammars.constrain, matchers=matchers)
-        tokens, logprobs, tops = self.sampler(logits, sampled, constrain)
+        grammars = self.grammars.step(matchers) if any(m is not None for m in matchers) else None
+        tokens, logprobs, tops = self.sampler(logits, sampled, grammars)
         for seq, token, logprob, top in zip(sampled, tokens, logprobs, tops, strict=True):
             if seq.matcher is not None:
                 consume(seq.matcher, token)

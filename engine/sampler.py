@@ -3,61 +3,131 @@
 A sampled token draws one uniform number from hash(seed, position), never from a shared
 generator, so the same seed and prompt give the same tokens whatever else is batched
 with them, and a preempted request resumes on exactly the stream it left.
+
+A row under a grammar (engine/grammar.py) asks it about tokens chosen as if it had none: a
+greedy row takes the first its grammar allows of its CANDIDATES most likely tokens, in order
+(the first being its free choice), and a sampled row keeps its draw if allowed, else draws
+again, up to CANDIDATES times, keeping the first draw allowed: a draw from the full
+distribution kept when allowed is exactly a draw from the allowed part (rejection sampling;
+after k refusals the draw among the allowed tokens below keeps it exact,
+P(x) = p(x) (1 + q + ... + q^(k-1)) + q^k p(x) / p(A) = p(x) / p(A), q = 1 - p(A)). Only a row
+none of whose candidates is allowed asks its grammar for every token it allows (a bitmask
+over 129,280 tokens, which costs more than all the questions) and is chosen among those, as is
+from the start a row whose top-k or top-p must act on the allowed distribution itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
-from engine.sequence import Sequence
+from engine.sequence import SamplingParams, Sequence
 
 _MASK64 = (1 << 64) - 1
+CANDIDATES = 64  # a refused row's further tries (most likely tokens, or draws) before it is masked
 
 
-def counter_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) from (seed, position) by the splitmix64 finaliser."""
-    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+def counter_uniform(seed: int, position: int, draw: int = 0) -> float:
+    """A uniform number in [0, 1) from (seed, position, draw) by the splitmix64 finaliser;
+    `draw` 1 is a position's second draw (its first token refused by a grammar)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + draw * 0xD6E8FEB86659FD93) & _MASK64
+    z = (z + 0x94D049BB133111EB) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
     return (z >> 11) / float(1 << 53)
 
 
+class Grammars(Protocol):
+    """The grammars of a step's rows (engine/grammar.StepGrammars)."""
+
+    rows: list[int]  # the rows under a grammar
+
+    def first_allowed(self, row: int, candidates: Iterable[int]) -> int | None:
+        """The first of these tokens the row's grammar allows, or None."""
+        ...
+
+    def allowed(self, rows: list[int]) -> list[torch.Tensor]:
+        """The ids of the tokens each of these rows' grammar allows, ascending."""
+        ...
+
+
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], constrain: Callable[[torch.Tensor], None] | None = None
+        self, logits: torch.Tensor, seqs: list[Sequence], grammars: Grammars | None = None
     ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
         """logits [B, V] (fp32) for the next token of each sequence -> (token ids, their logprobs,
         and for sequences that ask (params.logprobs) the most likely tokens with theirs).
-        `constrain`: sets the logits of the tokens grammars refuse to -inf, in place (engine/grammar.py).
+        `grammars`: the rows' output constraints.
 
         Logprobs are those of the model's own distribution, before temperature, filters and grammars.
         """
-        normalizer = logits.logsumexp(dim=-1)  # before a grammar masks anything
+        normalizer = logits.logsumexp(dim=-1)
         tops = _top_logprobs(logits, normalizer, seqs)
-        if constrain is not None:
-            constrain(logits)  # the chosen token is always an allowed one: its logit stays as it was
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            temperatures = torch.tensor([seqs[i].params.temperature for i in random_rows], device=logits.device)
-            scaled = logits[rows] / temperatures.unsqueeze(1)
-            for row, i in enumerate(random_rows):
-                scaled[row] = _filter(scaled[row], seqs[i].params.top_k, seqs[i].params.top_p)
-            cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
-            # the position of the token being sampled identifies its draw
-            u = [counter_uniform(seqs[i].seed, seqs[i].num_tokens) for i in random_rows]
-            u = torch.tensor(u, dtype=cdf.dtype, device=logits.device).unsqueeze(1) * cdf[:, -1:]
-            picked = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=logits.shape[1] - 1)
-            # float rounding at the edge of the cdf can land on a refused token: the best allowed one then
-            refused = logits[rows].gather(1, picked.unsqueeze(1)).squeeze(1).isinf()
-            picked = torch.where(refused, tokens[rows], picked)
-            tokens[rows] = picked
-        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - normalizer
-        return tokens.tolist(), chosen.tolist(), tops
+        constrained = grammars.rows if grammars is not None else []
+        greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
+        tokens = [0] * len(seqs)
+        free = [i for i in greedy if i not in constrained]
+        for i, token in zip(free, logits[free].argmax(dim=-1).tolist(), strict=True):
+            tokens[i] = token
+        # a constrained greedy row: its most likely tokens in order, the best its grammar allows
+        best = [i for i in greedy if i in constrained]
+        width = min(CANDIDATES, logits.shape[1])
+        candidates = dict(zip(best, logits[best].topk(width, dim=-1).indices.tolist(), strict=True))
+        unresolved = []  # constrained rows to choose among everything their grammar allows
+        for i, seq in enumerate(seqs):
+            if i in candidates:
+                token = grammars.first_allowed(i, candidates[i])
+            elif seq.params.greedy:
+                continue
+            elif i in constrained and _filters_the_allowed(seq.params):
+                token = None
+            else:
+                cdf = _cdf(logits[i], seq.params)
+                if i in constrained:  # its draw if allowed, else the first allowed of its next draws
+                    token = grammars.first_allowed(i, (_draw(cdf, seq, d) for d in range(CANDIDATES + 1)))
+                else:
+                    token = _draw(cdf, seq, 0)
+            if token is None:
+                unresolved.append(i)
+            else:
+                tokens[i] = token
+        if unresolved:
+            for i, allowed in zip(unresolved, grammars.allowed(unresolved), strict=True):
+                tokens[i] = _pick(logits[i], allowed, seqs[i], CANDIDATES + 1)
+        chosen = logits.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1) - normalizer
+        return tokens, chosen.tolist(), tops
+
+
+def _filters_the_allowed(params: SamplingParams) -> bool:
+    """Top-k and top-p keep the best of the tokens a grammar allows, not of all: mask first."""
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
+
+
+def _cdf(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A sampled row's cumulative distribution over token ids, after temperature and filters.
+    One row at a time: a row's draw must not depend on the rows batched with it (a cumulative
+    sum over a batch rounds differently from one over a single row; on a CPU it is slower too)."""
+    return _filter(logits / params.temperature, params.top_k, params.top_p).softmax(dim=-1).cumsum(dim=-1)
+
+
+def _draw(cdf: torch.Tensor, seq: Sequence, draw: int) -> int:
+    """The index the row's `draw`-th uniform at its position lands on (the position identifies it)."""
+    u = counter_uniform(seq.seed, seq.num_tokens, draw) * cdf[-1]
+    return int(torch.searchsorted(cdf, u.unsqueeze(0), right=True).clamp(max=cdf.shape[0] - 1))
+
+
+def _pick(logits: torch.Tensor, allowed: torch.Tensor, seq: Sequence, draw: int) -> int:
+    """A row's token among the `allowed` ids (ascending): the best one, or its `draw`-th draw
+    from their distribution (with temperature and filters applied to them alone)."""
+    if len(allowed) == 0:  # a grammar allows something at every step; its matcher reports the error
+        return int(logits.argmax())
+    subset = logits[allowed.to(logits.device)]
+    if seq.params.greedy:
+        return int(allowed[int(subset.argmax())])
+    return int(allowed[_draw(_cdf(subset, seq.params), seq, draw)])
 
 
 def _top_logprobs(

@@ -50,3 +50,48 @@ def test_greedy_rows_ignore_the_random_stream():
     greedy = Sequence("g", [1], SamplingParams(temperature=0), seed=1, arrival=0)
     tokens, _, _ = Sampler()(logits, [greedy, greedy])
     assert tokens == [1, 1]
+
+
+class AllowOnly:
+    """A grammar for every row that allows only `allowed` (the sampler's view of engine/grammar.py)."""
+
+    def __init__(self, rows: int, allowed: set[int]):
+        self.rows, self.allowing, self.masks = list(range(rows)), allowed, 0
+
+    def first_allowed(self, row: int, candidates: list[int]) -> int | None:
+        return next((token for token in candidates if token in self.allowing), None)
+
+    def allowed(self, rows: list[int]) -> list[torch.Tensor]:
+        self.masks += len(rows)
+        return [torch.tensor(sorted(self.allowing)) for _ in rows]
+
+
+def test_a_grammar_refusing_the_first_choice_gets_a_draw_from_what_it_allows():
+    """Chosen first as if free, then among the allowed: greedy is the best allowed token, and
+    sampling gives exactly the distribution restricted to the allowed tokens; a mask only when
+    no candidate (most likely tokens, further draws) is allowed."""
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().unsqueeze(0)
+    greedy = Sequence("g", [1], SamplingParams(temperature=0), seed=0, arrival=0)
+    grammar = AllowOnly(1, {1, 2})
+    assert Sampler()(logits.clone(), [greedy], grammar)[0] == [1] and grammar.masks == 0
+    assert Sampler()(logits.clone(), [greedy], AllowOnly(1, {0, 2}))[0] == [0]
+    many = torch.linspace(0, -10, 200).unsqueeze(0)  # token 0 the most likely, token 199 the least
+    grammar = AllowOnly(1, {199})
+    assert Sampler()(many.clone(), [greedy], grammar)[0] == [199] and grammar.masks == 1  # past the candidates
+    counts = [0, 0, 0]
+    n = 4000
+    grammar = AllowOnly(1, {1, 2})
+    for seed in range(n):
+        seq = Sequence("r", [1], SamplingParams(temperature=1.0), seed=seed, arrival=0)
+        token, logprob, _ = Sampler()(logits.clone(), [seq], grammar)
+        counts[token[0]] += 1
+        assert math.isclose(logprob[0], math.log(probs[token[0]].item()), abs_tol=1e-5)  # the model's own
+    assert counts[0] == 0 and abs(counts[1] / n - 0.6) < 0.03 and abs(counts[2] / n - 0.4) < 0.03
+    assert grammar.masks < 5  # a mask only after every further draw was refused too (p = 0.5 ** 17 each)
+    rare = Sequence("r", [1], SamplingParams(temperature=1.0), seed=1, arrival=0)
+    grammar = AllowOnly(1, {199})
+    assert Sampler()(many.clone(), [rare], grammar)[0] == [199] and grammar.masks == 1
+    nucleus = Sequence("p", [1], SamplingParams(temperature=1.0, top_p=0.5), seed=3, arrival=0)
+    grammar = AllowOnly(1, {1, 2})
+    assert Sampler()(logits.clone(), [nucleus], grammar)[0] == [1] and grammar.masks == 1  # top-p of the allowed
