@@ -721,6 +721,10 @@ class GatewayBehaviour(SDKClients):
             oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10**7)
         with pytest.raises(openai.BadRequestError):
             oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=-1)
+        with pytest.raises(openai.BadRequestError, match="logprobs"):  # OpenAI's bound: 20
+            oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, logprobs=True, top_logprobs=21)
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            oai.responses.create(model=MODEL, input="Hi", max_output_tokens=2, top_logprobs=21)
         with pytest.raises(openai.BadRequestError, match="Invalid schema"):
             bad_schema = {"type": "object", "properties": "not an object"}
             oai.chat.completions.create(

@@ -193,7 +193,7 @@ def test_a_batch_survives_the_server_being_killed_mid_batch(model, tmp_path):
     server = serve(0)
     try:
         oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        lines = [chat_line(f"r{i}", PROMPTS[i % len(PROMPTS)], 8, thinking={"type": "disabled"}) for i in range(120)]
+        lines = [chat_line(f"r{i}", PROMPTS[i % len(PROMPTS)], 8, thinking={"type": "disabled"}) for i in range(48)]
         upload = oai.files.create(file=("r.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
         batch = oai.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
         wait_for_batch(oai.batches.retrieve, batch.id, lambda b: b.request_counts and b.request_counts.completed >= 8)
@@ -201,9 +201,9 @@ def test_a_batch_survives_the_server_being_killed_mid_batch(model, tmp_path):
         server.wait(timeout=30)
         server = serve(1)
         batch = wait_for_batch(oai.batches.retrieve, batch.id, lambda b: b.status in ("completed", "failed"))
-        assert batch.status == "completed" and batch.request_counts.completed == 120, batch
+        assert batch.status == "completed" and batch.request_counts.completed == 48, batch
         output = [json.loads(x) for x in oai.files.content(batch.output_file_id).text.splitlines()]
-        assert sorted(line["custom_id"] for line in output) == sorted(f"r{i}" for i in range(120))
+        assert sorted(line["custom_id"] for line in output) == sorted(f"r{i}" for i in range(48))
         alone = {}
         for prompt in PROMPTS:
             reply = oai.chat.completions.create(
