@@ -381,7 +381,7 @@ class LLMEngine:
             slices, token_ids, ends = [], [], []
             for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
                 slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
-                token_ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+                token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
                 ends.append(len(token_ids) - 1)
             step = StepInput(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
             last = self.model(step, self.cache)[ends].clone()  # each sequence's last token of the step

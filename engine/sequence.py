@@ -69,7 +69,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: `seq in running` compares identities, not every field
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -95,6 +95,13 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building token_ids (a decode step takes one token a step)."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.token_ids[start:end]
 
     @property
     def num_tokens(self) -> int:
