@@ -69,13 +69,12 @@ class Sampler:
         constrained = grammars.rows if grammars is not None else []
         greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
         tokens = [0] * len(seqs)
-        free = [i for i in greedy if i not in constrained]
-        for i, token in zip(free, logits[free].argmax(dim=-1).tolist(), strict=True):
-            tokens[i] = token
+        if any(i not in constrained for i in greedy):  # one pass over every row: no copy of the free ones
+            tokens = logits.argmax(dim=-1).tolist()
         # a constrained greedy row: its most likely tokens in order, the best its grammar allows
         best = [i for i in greedy if i in constrained]
         width = min(CANDIDATES, logits.shape[1])
-        candidates = dict(zip(best, logits[best].topk(width, dim=-1).indices.tolist(), strict=True))
+        candidates = dict(zip(best, logits[best].topk(width, dim=-1).indices.tolist(), strict=True)) if best else {}
         unresolved = []  # constrained rows to choose among everything their grammar allows
         for i, seq in enumerate(seqs):
             if i in candidates:
