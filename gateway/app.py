@@ -448,6 +448,7 @@ def create_app(
             return result
 
         finished: list[ResultPayload] = []
+        waiting: list[asyncio.Future[ResultPayload]] = []
         try:
             for job_id, body in zip(job_ids, bodies, strict=True):
                 await enqueue(job_id, endpoint, body, call.span, options)
@@ -456,8 +457,6 @@ def create_app(
                 result = await arrived
                 finished.append(result)
                 if result.status != 200:
-                    for task in waiting:
-                        task.cancel()
                     return error_response(endpoint, result)
             call.first_event()
             results = [task.result() for task in waiting]
@@ -471,8 +470,10 @@ def create_app(
             return Response(status_code=499)
         finally:
             gone.cancel()
+            for task in waiting:  # those still waiting (an error, a client gone): nobody will read them
+                task.cancel()
             if len(finished) < len(job_ids) or any(result.status != 200 for result in finished):
-                for job_id in job_ids:  # those still running: nobody will read them
+                for job_id in job_ids:
                     cancel_soon(job_id, call.span)
             for job_id in job_ids:
                 router.forget(job_id)

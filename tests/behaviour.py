@@ -251,6 +251,14 @@ class RawConnection:
         self.http.close()
 
 
+def call_with(url: str, body: dict, timed_out: list, timeout: float = 3) -> None:
+    """POST, as a client that gives up after `timeout` seconds (noted in `timed_out`)."""
+    try:
+        httpx.post(url, json=body, timeout=timeout)
+    except httpx.TimeoutException as err:
+        timed_out.append(err)
+
+
 def lm_eval_reading(logprobs: dict, ctxlen: int) -> tuple[float, bool]:
     """What lm-evaluation-harness' local-completions model takes from an echoed prompt's legacy
     logprobs (LocalCompletionsAPI.parse_logprobs): the continuation's total logprob, and whether
@@ -900,20 +908,24 @@ class GatewayBehaviour(SDKClients):
                     break
         eventually(lambda: service.decode_running() == 0, 2, "decode went on with a stream nobody reads")
 
-        timed_out = []
-
-        def call() -> None:
-            try:
-                httpx.post(f"{service.url}/v1/chat/completions", json={**body, "stream": False}, timeout=3)
-            except httpx.TimeoutException as err:
-                timed_out.append(err)
-
-        caller = threading.Thread(target=call)
+        timed_out: list = []
+        plain = {**body, "stream": False}
+        caller = threading.Thread(target=lambda: call_with(f"{service.url}/v1/chat/completions", plain, timed_out))
         caller.start()
         eventually(lambda: service.decode_running() == 1, 30, "the job never reached decode")
         caller.join()
         assert timed_out
         eventually(lambda: service.decode_running() == 0, 2, "decode went on with an answer nobody waits for")
+
+        # a Completions request with a list of prompts, a job each: all of them stop
+        prompts = {"model": MODEL, "prompt": ["One", "Two", "Three"], "max_tokens": 3000}
+        timed_out.clear()
+        caller = threading.Thread(target=lambda: call_with(f"{service.url}/v1/completions", prompts, timed_out))
+        caller.start()
+        eventually(lambda: service.decode_running() == 3, 30, "the jobs never reached decode")
+        caller.join()
+        assert timed_out
+        eventually(lambda: service.decode_running() == 0, 2, "decode went on with answers nobody waits for")
 
     def test_job_errors(self, service):
         url = service.url
