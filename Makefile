@@ -40,7 +40,8 @@ stack-down:
 	scripts/stack down
 
 bench: $(INSTALLED)
-	$(BIN)/python benchmarks/engine_vs_transformers.py
+	$(BIN)/python benchmarks/engine_vs_transformers.py --config small
+	$(BIN)/python benchmarks/engine_vs_transformers.py --config tiny-vocab
 
 clean: stack-down
 	rm -rf $(VENV) .cache

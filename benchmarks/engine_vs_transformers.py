@@ -6,7 +6,13 @@ prefill tokens/s is prompt tokens over time to the first token. Prints ratios ag
 transformers measured in this same run, and the engine's state size against the
 theoretical minimum for the config.
 
-    python benchmarks/engine_vs_transformers.py [--batches 1 8 32] [--prompt-len 256] [--new-tokens 128]
+    python benchmarks/engine_vs_transformers.py [--config small|tiny-vocab] [--batches 1 8 32]
+        [--prompt-len 256] [--new-tokens 128]
+
+Two checkpoints: `small` (the preset: the real model's shape scaled down, with its 129,280-token
+vocabulary, whose output projection dominates a step) and `tiny-vocab` (4 layers, hidden 256,
+8 heads, 8 experts, hc_mult 2 and a 4,096-token vocabulary: where the layers, not the output
+projection, are the step).
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ import torch
 from transformers import DeepseekV4ForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from engine import LLMEngine, SamplingParams
-from engine.make_model import make_model
+from engine.make_model import preset_config, write_checkpoint
 from engine.state_cache import StateLayout
 
 ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {
+    "small": preset_config("small"),
+    "tiny-vocab": preset_config("tiny", hidden_size=256, num_attention_heads=8, vocab_size=4096),
+}
 
 
 class _Timestamps(LogitsProcessor):
@@ -37,6 +47,9 @@ class _Timestamps(LogitsProcessor):
 
 def run_transformers(model, prompts: torch.Tensor, new_tokens: int) -> tuple[list[list[int]], float, list[float]]:
     stamps = _Timestamps()
+    # the end of sequence an ordinary token, as the engine's ignore_eos makes it: left in the model's
+    # own generation config, min_new_tokens would forbid that token instead of letting it be chosen
+    model.generation_config.eos_token_id = None
     config = GenerationConfig(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=None
     )
@@ -68,6 +81,24 @@ def run_engine(engine: LLMEngine, prompts: torch.Tensor, new_tokens: int) -> tup
     return list(tokens.values()), start, times
 
 
+def explain_differences(reference, prompts: torch.Tensor, ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """Where a sequence's tokens part from transformers' `generate` (its incremental decoding),
+    whether ours is the argmax of transformers' own forward pass over the whole sequence so far."""
+    parted = [
+        (i, next(j for j, (a, b) in enumerate(zip(o, t, strict=True)) if a != b))
+        for i, (o, t) in enumerate(zip(ours, theirs, strict=True))
+        if o != t
+    ]
+    if not parted:
+        return "yes"
+    agree = 0
+    for i, j in parted:
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompts[i].tolist() + ours[i][:j]])).logits[0, -1]
+        agree += int(logits.argmax()) == ours[i][j]
+    return f"{len(parted)} differ ({agree} ours = transformers' full-forward argmax)"
+
+
 def rates(batch: int, prompt_len: int, start: float, times: list[float]) -> tuple[float, float]:
     prefill = batch * prompt_len / (times[0] - start)
     decode = batch * (len(times) - 1) / (times[-1] - times[0])
@@ -76,16 +107,18 @@ def rates(batch: int, prompt_len: int, start: float, times: list[float]) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=ROOT / ".cache/models/small")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--model", type=Path, help="a checkpoint (default: .cache/models/CONFIG, made if missing)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine_vs_transformers.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/engine_vs_transformers-CONFIG.json")
     args = parser.parse_args()
-
+    args.model = args.model or ROOT / ".cache/models" / args.config
+    args.out = args.out or ROOT / f"benchmarks/results/engine_vs_transformers-{args.config}.json"
     if not (args.model / "config.json").is_file():
-        make_model(args.model, "small", seed=0)
+        write_checkpoint(args.model, CONFIGS[args.config], seed=0)
     torch.manual_seed(args.seed)
     engine = LLMEngine.from_pretrained(args.model, max_num_seqs=max(args.batches), max_num_batched_tokens=2048)
     reference = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -107,8 +140,9 @@ def main() -> None:
         ref_tokens, start, times = run_transformers(reference, prompts, args.new_tokens)
         ref = rates(batch, args.prompt_len, start, times)
         same = ours_tokens == ref_tokens
+        identical = explain_differences(reference, prompts, ours_tokens, ref_tokens)
         for name, (prefill, decode) in (("transformers", ref), ("deepmesh", ours)):
-            print(f"{batch:>5} | {name:>11} | {prefill:>13.0f} | {decode:>12.1f} | {'yes' if same else 'NO':>9}")
+            print(f"{batch:>5} | {name:>11} | {prefill:>13.0f} | {decode:>12.1f} | {identical:>9}")
         print(f"{batch:>5} | {'ratio':>11} | {ours[0] / ref[0]:>12.2f}x | {ours[1] / ref[1]:>11.2f}x |")
         results.append(
             {
