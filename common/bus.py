@@ -310,13 +310,22 @@ class KafkaBus:
     busy_poll_timeout = 0.002
     idle_poll_timeout = 0.1  # long enough for group joins and heartbeats to complete within a poll
 
-    def __init__(self, bootstrap: str, client_id: str = "deepmesh", claims: ClaimStore | None = None):
-        """`claims`: where values too large for a record go (None: a value over Kafka's limit fails)."""
+    def __init__(
+        self,
+        bootstrap: str,
+        client_id: str = "deepmesh",
+        claims: ClaimStore | None = None,
+        session_timeout_ms: int = 10_000,
+    ):
+        """`claims`: where values too large for a record go (None: a value over Kafka's limit fails).
+        `session_timeout_ms`: how long a consumer that stopped answering (killed, stopped) keeps
+        its partitions before the group gives them to the others."""
         from kafka import KafkaProducer
 
         self.claims = claims
         self.bootstrap = bootstrap
         self.client_id = client_id
+        self.session_timeout_ms = session_timeout_ms
         self._producer = KafkaProducer(
             bootstrap_servers=bootstrap,
             client_id=client_id,
@@ -368,7 +377,9 @@ class KafkaBus:
         return len(found)
 
     def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> KafkaConsumerAdapter:
-        return KafkaConsumerAdapter(self.bootstrap, list(topics), group, self.client_id, from_beginning, self.claims)
+        return KafkaConsumerAdapter(
+            self.bootstrap, list(topics), group, self.client_id, from_beginning, self.claims, self.session_timeout_ms
+        )
 
     def close(self) -> None:
         self._producer.close(timeout=10)
@@ -386,6 +397,7 @@ class KafkaConsumerAdapter:
         client_id: str,
         from_beginning: bool = True,
         claims: ClaimStore | None = None,
+        session_timeout_ms: int = 10_000,
     ):
         from kafka import KafkaConsumer
 
@@ -396,7 +408,7 @@ class KafkaConsumerAdapter:
             client_id=client_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest" if from_beginning else "latest",
-            session_timeout_ms=10_000,
+            session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=1_000,
             metadata_max_age_ms=10_000,  # a topic created after start-up is noticed within seconds
         )

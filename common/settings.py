@@ -12,6 +12,9 @@ class Settings(BaseSettings):
 
     bus: Literal["memory", "kafka"] = "memory"
     kafka_bootstrap: str = "127.0.0.1:19092"
+    # how long a worker that stopped answering keeps its partitions (at least the broker's
+    # group.min.session.timeout.ms, 6 s by default): failover time against spurious rebalances
+    kafka_session_timeout_ms: int = 10_000
     topic_prefix: str = "deepmesh."
     topic_partitions: int = 4
     database_url: str = "sqlite:///.cache/deepmesh.db"

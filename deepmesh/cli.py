@@ -295,7 +295,12 @@ def _service(args: argparse.Namespace) -> int:
         )
         return 0
     claims = ClaimStore.from_settings(settings)
-    bus = KafkaBus(settings.kafka_bootstrap, client_id=f"deepmesh-{args.command}", claims=claims)
+    bus = KafkaBus(
+        settings.kafka_bootstrap,
+        client_id=f"deepmesh-{args.command}",
+        claims=claims,
+        session_timeout_ms=settings.kafka_session_timeout_ms,
+    )
     create_all(bus, settings.topic_prefix, settings.topic_partitions)
     if args.command == "gateway":
         from gateway.app import create_app

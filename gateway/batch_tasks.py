@@ -66,7 +66,10 @@ def keep_our_logging(**_) -> None:
 @cache
 def runner() -> BatchRunner:
     """One per worker process: its database pool and Kafka producer are kept between rounds."""
-    bus = KafkaBus(settings.kafka_bootstrap, client_id="deepmesh-batches", claims=ClaimStore.from_settings(settings))
+    claims = ClaimStore.from_settings(settings)
+    bus = KafkaBus(
+        settings.kafka_bootstrap, "deepmesh-batches", claims, session_timeout_ms=settings.kafka_session_timeout_ms
+    )
     create_all(bus, settings.topic_prefix, settings.topic_partitions)
     jobs = JobStore(settings.database_url)
     dispatcher = Dispatcher(bus, settings.topic_prefix)

@@ -57,6 +57,8 @@ class Cluster:
             "DEEPMESH_FILES_DIR": str(root / "files"),
             "DEEPMESH_REDIS_URL": require_service("DEEPMESH_REDIS_URL"),
             "DEEPMESH_BATCH_ROUND_SECONDS": "0.5",
+            # a killed worker's partitions move after 6 s (the broker's least) instead of 10
+            "DEEPMESH_KAFKA_SESSION_TIMEOUT_MS": "6000",
         }
         self.processes: dict[str, subprocess.Popen] = {}
         self.url = f"http://127.0.0.1:{self.gateway_port}"
