@@ -68,14 +68,14 @@ def continued(body: dict[str, Any], previous_body: dict[str, Any], previous_answ
     return {**body, "input": history + as_items(body.get("input"))}
 
 
-def queued(job_id: str, body: dict[str, Any], status: str = "queued") -> dict[str, Any]:
+def queued(job_id: str, body: dict[str, Any]) -> dict[str, Any]:
     """The response object of a background response before its first event: what the request
     asked, no output yet."""
     return {
         "id": response_id("responses", job_id),
         "object": "response",
         "created_at": int(time.time()),
-        "status": status,
+        "status": "queued",
         "background": bool(body.get("background")),
         "error": None,
         "incomplete_details": None,

@@ -1,4 +1,4 @@
-"""Constrained decoding: a grammar per request, enforced by masking every token it does not allow.
+"""Constrained decoding: a grammar per request, enforced by choosing only tokens it allows.
 
 llguidance compiles the grammar (a JSON schema, a regular expression or a Lark grammar, as the
 JSON text `LLMatcher.grammar_from_*` writes) against the model's tokenizer. Each step the

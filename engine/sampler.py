@@ -26,12 +26,12 @@ import torch
 from engine.sequence import SamplingParams, Sequence
 
 _MASK64 = (1 << 64) - 1
-CANDIDATES = 64  # a refused row's further tries (most likely tokens, or draws) before it is masked
+CANDIDATES = 64  # a constrained row's tries (most likely tokens, or draws) before it asks for all it allows
 
 
 def counter_uniform(seed: int, position: int, draw: int = 0) -> float:
     """A uniform number in [0, 1) from (seed, position, draw) by the splitmix64 finaliser;
-    `draw` 1 is a position's second draw (its first token refused by a grammar)."""
+    `draw` d > 0 is a position's further draw, after a grammar refused the ones before it."""
     z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + draw * 0xD6E8FEB86659FD93) & _MASK64
     z = (z + 0x94D049BB133111EB) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64

@@ -6,16 +6,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common.messages import TokenLogprobs
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
 
     from engine.state_transfer import StateSnapshot
-
-
-# a token's logprob, and the most likely tokens at its position as (token id, logprob)
-TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass

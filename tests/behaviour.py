@@ -908,24 +908,18 @@ class GatewayBehaviour(SDKClients):
                     break
         eventually(lambda: service.decode_running() == 0, 2, "decode went on with a stream nobody reads")
 
-        timed_out: list = []
-        plain = {**body, "stream": False}
-        caller = threading.Thread(target=lambda: call_with(f"{service.url}/v1/chat/completions", plain, timed_out))
-        caller.start()
-        eventually(lambda: service.decode_running() == 1, 30, "the job never reached decode")
-        caller.join()
-        assert timed_out
-        eventually(lambda: service.decode_running() == 0, 2, "decode went on with an answer nobody waits for")
-
-        # a Completions request with a list of prompts, a job each: all of them stop
+        # a plain call; a Completions request with a list of prompts, a job each: all of them stop
         prompts = {"model": MODEL, "prompt": ["One", "Two", "Three"], "max_tokens": 3000}
-        timed_out.clear()
-        caller = threading.Thread(target=lambda: call_with(f"{service.url}/v1/completions", prompts, timed_out))
-        caller.start()
-        eventually(lambda: service.decode_running() == 3, 30, "the jobs never reached decode")
-        caller.join()
-        assert timed_out
-        eventually(lambda: service.decode_running() == 0, 2, "decode went on with answers nobody waits for")
+        for path, plain, jobs in (("chat/completions", {**body, "stream": False}, 1), ("completions", prompts, 3)):
+            timed_out: list = []
+            caller = threading.Thread(target=call_with, args=(f"{service.url}/v1/{path}", plain, timed_out))
+            caller.start()
+            eventually(lambda n=jobs: service.decode_running() == n, 30, f"{path}: the jobs never reached decode")
+            caller.join()
+            assert timed_out
+            eventually(
+                lambda: service.decode_running() == 0, 2, f"{path}: decode went on with answers nobody waits for"
+            )
 
     def test_job_errors(self, service):
         url = service.url
