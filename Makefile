@@ -16,8 +16,10 @@ $(BIN)/uv:
 	$(BIN)/pip install --quiet --disable-pip-version-check "uv>=0.13,<0.14"
 
 # --compile-bytecode: every process the tests start imports torch from .pyc instead of compiling it
+# g++: Inductor compiles the decode step to C++; without one, decode steps run eager
 $(INSTALLED): pyproject.toml $(BIN)/uv
 	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e ".[test]"
+	scripts/stack toolchain || echo "no C++ compiler: decode steps will run eager" >&2
 	touch $@
 
 $(TINY_MODEL)/config.json: $(INSTALLED)

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the checkpoint's)")
+    _compile_flag(gen)
     gen.set_defaults(run=_generate)
 
     serve = commands.add_parser("serve", help="every service in one process: the embedded default")
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", type=Path, default=None, help="checkpoint (default: a tiny model made on first use)")
     serve.add_argument("--served-model-name", default="deepmesh-tiny")
+    _compile_flag(serve)
     serve.set_defaults(run=_serve)
 
     # distributed mode: one service per process, configured from DEEPMESH_* (common/settings.py)
@@ -85,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
             service.add_argument("--port", type=int, default=8000 if name == "gateway" else 8100)
         else:
             service.add_argument("--metrics-port", type=int, default=None, help="/metrics port (DEEPMESH_METRICS_PORT)")
+        if name == "decode":
+            _compile_flag(service)
         if name == "cache":
             service.add_argument(
                 "action", nargs="?", choices=["serve", "stats"], default="serve", help="stats: print the cache's state"
@@ -172,6 +176,20 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps as compiled graphs, warmed up at start (default: DEEPMESH_COMPILE_DECODE, on); "
+        "--no-compile runs them eager",
+    )
+
+
+def _compile_decode(args: argparse.Namespace, settings) -> bool:
+    return settings.compile_decode if args.compile is None else args.compile
+
+
 def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -205,6 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
         anchor_interval=settings.cache_anchor_interval,
         maintenance_seconds=settings.cache_maintenance_seconds,
         resident_prefix_bytes=settings.resident_prefix_bytes,
+        compile_decode=_compile_decode(args, settings),
     )
     mesh.start([mesh.tokenizer])
     app = create_app(
@@ -325,7 +344,8 @@ def _service(args: argparse.Namespace) -> int:
         )
         return 0
     replicas = _replica_table(bus, settings.topic_prefix)
-    worker = _make_worker(args.command, bus, settings, model, replicas)
+    compile_decode = args.command == "decode" and _compile_decode(args, settings)
+    worker = _make_worker(args.command, bus, settings, model, replicas, compile_decode)
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
     if metrics_port:
         from prometheus_client import start_http_server
@@ -479,7 +499,7 @@ def _replica_table(bus, topic_prefix: str):
     return table
 
 
-def _make_worker(command: str, bus, settings, model: Path, replicas):
+def _make_worker(command: str, bus, settings, model: Path, replicas, compile_decode: bool = False):
     if command == "tokenizer":
         from tokenizer_svc.protocol import Codec
         from tokenizer_svc.worker import TokenizerWorker
@@ -492,7 +512,7 @@ def _make_worker(command: str, bus, settings, model: Path, replicas):
 
     # decode never starts from a prefix, so it keeps none resident
     resident = settings.resident_prefix_bytes if command == "prefill" else 0
-    engine = LLMEngine.from_pretrained(model, resident_prefix_bytes=resident)
+    engine = LLMEngine.from_pretrained(model, resident_prefix_bytes=resident, compile_decode=compile_decode)
     retention = Retention.from_settings(settings)
     if command == "prefill":
         from prefill_svc.worker import PrefillWorker
@@ -516,13 +536,19 @@ def _generate(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
     from tqdm import tqdm
 
+    from common.settings import Settings
     from engine import LLMEngine, SamplingParams
 
     tokenizer_file = args.model / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ValueError(f"{args.model} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    engine = LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
+    compile_decode = _compile_decode(args, Settings())
+    if compile_decode:
+        print("compiling the decode step (once: later runs load it from the disk cache)", file=sys.stderr)
+    engine = LLMEngine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, compile_decode=compile_decode
+    )
     bos = [engine.config.bos_token_id] if engine.config.bos_token_id is not None else []
     prompt = bos + tokenizer.encode(args.prompt, add_special_tokens=False).ids
     params = SamplingParams(

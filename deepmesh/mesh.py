@@ -37,6 +37,7 @@ class Mesh:
         retention: Retention | None = None,
         anchor_interval: int = 1024,
         maintenance_seconds: float = 2.0,
+        compile_decode: bool = False,
         **engine_options,
     ):
         model_path = Path(model_path)
@@ -44,7 +45,13 @@ class Mesh:
         create_all(bus, topic_prefix, partitions)
         prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
         # one copy of the weights; decode never starts from a prefix, so it keeps none resident
-        decode_options = {**engine_options, "resident_prefix_bytes": 0, "grammars": prefill_engine.grammars}
+        # only the decode engine runs decode steps (prefill samples one token per request)
+        decode_options = {
+            **engine_options,
+            "resident_prefix_bytes": 0,
+            "grammars": prefill_engine.grammars,
+            "compile_decode": compile_decode,
+        }
         decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **decode_options)
         codec = Codec.for_model(model_path, served_model)
         self.store = store

@@ -1,5 +1,12 @@
 """The DeepSeek-V4 engine shared by prefill and decode workers."""
 
+import os
+
+# The compiled decode graphs (engine/compiled_decode.py) are kept with the models under .cache
+# unless TORCHINDUCTOR_CACHE_DIR says otherwise: set before anything imports Inductor, which
+# fixes its directory on first use.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".cache/torchinductor"))
+
 from engine.errors import EngineError, InvalidRequestError, UnknownRequestError, UnsupportedCheckpointError
 from engine.llm_engine import LLMEngine
 from engine.sequence import CompletionOutput, RequestOutput, SamplingParams

@@ -13,6 +13,7 @@ import torch
 
 from common.blocks import BLOCK_SIZE
 from engine.backends import keep_freed_memory_in_process, select_backend
+from engine.compiled_decode import CompiledDecode
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.grammar import GrammarCompiler, consume
@@ -41,6 +42,7 @@ class LLMEngine:
         kernel_backend: str | None = None,
         weights: str = "",
         grammars: GrammarCompiler | None = None,
+        compile_decode: bool = False,
     ):
         """`weights` names the checkpoint (loader.weights_id): part of the state layout, so that
         state is only ever shared between engines running the same weights.
@@ -49,7 +51,9 @@ class LLMEngine:
         `resident_prefix_bytes`: how much slot state the resident prefixes may copy (their blocks
         cost nothing: they are free blocks not yet reused; engine/resident_prefixes.py).
         `grammars`: compiles requests' output constraints (SamplingParams.grammar) against the
-        model's tokenizer; None: a request with one is refused."""
+        model's tokenizer; None: a request with one is refused.
+        `compile_decode`: run decode steps as compiled graphs (engine/compiled_decode.py), compiled
+        or loaded from the disk cache here, before the first request; eager where unavailable."""
         self.model = model
         self.config: ModelConfig = model.config
         self.device = model.lm_head.weight.device
@@ -82,6 +86,7 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens the last step computed (a prefill worker measures its speed)
         self.weights = weights
         self.layout = layout_id(self.config, self.dtype, weights)
+        self.compiled_decode = CompiledDecode.create(model, self.cache, max_num_seqs) if compile_decode else None
 
     @classmethod
     def from_pretrained(
@@ -155,7 +160,7 @@ class LLMEngine:
             prompt_len=len(token_ids) if prefix_only else len(seq.prompt_token_ids),
             num_computed=seq.num_computed,
             seed=seq.seed,
-            blocks=self.cache.blocks[seq.block_table[:n_blocks]].clone(),
+            blocks=self.cache.read_blocks(seq.block_table[:n_blocks]),
             slot=self.cache.read_slot(seq.slot),
             last_hidden=seq.last_hidden,
         )
@@ -193,7 +198,7 @@ class LLMEngine:
         table = entry.block_ids[:full]
         for block_id in partial:
             copy = allocator.allocate()
-            self.cache.blocks[copy] = self.cache.blocks[block_id]
+            self.cache.copy_block(block_id, copy)
             allocator.release(block_id)
             table.append(copy)
         seq.block_table = table
@@ -216,7 +221,7 @@ class LLMEngine:
             return False
         block_ids = [allocator.allocate() for _ in range(n_blocks)]
         if n_blocks:
-            self.cache.blocks[block_ids] = snapshot.blocks.to(self.cache.blocks.device)
+            self.cache.write_blocks(block_ids, snapshot.blocks)
         for block_id in block_ids:
             allocator.release(block_id)
         slot = {k: v.to(self.device) for k, v in snapshot.slot.items()}
@@ -303,7 +308,7 @@ class LLMEngine:
         seq.slot = self.cache.allocate_slot()
         seq.block_table = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
         if n_blocks:
-            self.cache.blocks[seq.block_table] = snapshot.blocks.to(self.cache.blocks.device)
+            self.cache.write_blocks(seq.block_table, snapshot.blocks)
         self.cache.write_slot(seq.slot, {k: v.to(self.device) for k, v in snapshot.slot.items()})
         seq.num_computed = snapshot.num_computed
         if snapshot.last_hidden is not None:
@@ -378,13 +383,7 @@ class LLMEngine:
         sampled = [seq for seq in computed if seq in self.scheduler.running]  # not preempted to make room
         rows = [seq.last_hidden for seq in sampled]
         if batch is not None:
-            slices, token_ids, ends = [], [], []
-            for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-                slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
-                token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
-                ends.append(len(token_ids) - 1)
-            step = StepInput(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
-            last = self.model(step, self.cache)[ends].clone()  # each sequence's last token of the step
+            last = self._forward(batch.seqs, batch.num_tokens)
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
                 seq.num_computed += n
                 seq.last_hidden = last[i]
@@ -427,6 +426,23 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _forward(self, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
+        """Compute the scheduled tokens; each sequence's last hidden state of the step [len(seqs), hidden]."""
+        if self.compiled_decode is not None and all(n == 1 for n in num_tokens):
+            return self.compiled_decode(
+                [seq.tokens_between(seq.num_computed, seq.num_computed + 1)[0] for seq in seqs],
+                [seq.num_computed for seq in seqs],
+                [seq.slot for seq in seqs],
+                [seq.block_table for seq in seqs],
+            )
+        slices, token_ids, ends = [], [], []
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
+            token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
+            ends.append(len(token_ids) - 1)
+        step = StepInput.of(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
+        return self.model(step, self.cache)[ends].clone()  # each sequence's last token of the step
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -504,7 +520,7 @@ class LLMEngine:
         try:
             for start in range(0, len(tokens), self.max_num_batched_tokens):
                 chunk = tokens[start : start + self.max_num_batched_tokens]
-                step = StepInput(
+                step = StepInput.of(
                     torch.tensor(chunk, dtype=torch.long, device=self.device),
                     [SeqSlice(slot, start, len(chunk), blocks)],
                 )

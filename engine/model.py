@@ -39,25 +39,34 @@ class SeqSlice:
 
 @dataclass
 class StepInput:
-    input_ids: torch.Tensor  # [T]
-    slices: list[SeqSlice]
-    positions: torch.Tensor = field(init=False)  # [T]
-    is_decode: bool = field(init=False)
-    slots: torch.Tensor | None = field(init=False, default=None)  # [B] (decode)
-    block_tables: torch.Tensor | None = field(init=False, default=None)  # [B, max_blocks] (decode)
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
+    """The tokens of one step. A decode step (one token per sequence) is tensors only, so that a
+    compiled step can take it as is; a prefill step also keeps its per-sequence slices."""
 
-    def __post_init__(self) -> None:
-        device = self.input_ids.device
-        self.is_decode = all(s.length == 1 for s in self.slices)
-        self.positions = torch.tensor(
-            [p for s in self.slices for p in range(s.start, s.start + s.length)], dtype=torch.long, device=device
-        )
-        if self.is_decode:
-            self.slots = torch.tensor([s.slot for s in self.slices], dtype=torch.long, device=device)
-            width = max(1, max(len(s.block_table) for s in self.slices))
-            table = [s.block_table + [0] * (width - len(s.block_table)) for s in self.slices]
-            self.block_tables = torch.tensor(table, dtype=torch.long, device=device)
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slices: list[SeqSlice] = field(default_factory=list)  # prefill
+    slots: torch.Tensor | None = None  # [B] (decode)
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] (decode): padded with any block
+
+    @property
+    def is_decode(self) -> bool:
+        return self.slots is not None
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, slices: list[SeqSlice]) -> StepInput:
+        """The step computing these sequence slices: a decode step when each is one token."""
+        device = input_ids.device
+        positions = [p for s in slices for p in range(s.start, s.start + s.length)]
+        step = cls(input_ids, torch.tensor(positions, dtype=torch.long, device=device), slices)
+        if all(s.length == 1 for s in slices):
+            width = max(1, max(len(s.block_table) for s in slices))
+            table = [s.block_table + [0] * (width - len(s.block_table)) for s in slices]
+            step.slots = torch.tensor([s.slot for s in slices], dtype=torch.long, device=device)
+            step.block_tables = torch.tensor(table, dtype=torch.long, device=device)
+        return step
+
+
+Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope type -> (cos, sin) at the step's positions
 
 
 class RMSNorm(nn.Module):
@@ -166,27 +175,32 @@ class Compressor(nn.Module):
             state.pending_kv[s.slot, :left] = kv[closed:]
             state.pending_gate[s.slot, :left] = gate[closed:]
 
-    def update_decode(self, kv: torch.Tensor, gate: torch.Tensor, step: StepInput, state: CompressorState) -> None:
-        """Add each sequence's new token's projections to its pending window; pool the windows it closes."""
+    def update_decode(
+        self, kv: torch.Tensor, gate: torch.Tensor, step: StepInput, state: CompressorState, scratch_block: int
+    ) -> None:
+        """Add each sequence's new token's projections to its pending window; pool the windows it closes.
+
+        Every row pools its window as if it closed and only the rows whose window did close keep
+        the entry (the others write it to the scratch block): the same work whoever closes, so
+        the step has no data-dependent shape for a compiler to break on.
+        """
         m = self.rate
-        offsets = step.positions % m
-        state.pending_kv[step.slots, offsets] = kv
-        state.pending_gate[step.slots, offsets] = gate
-        closing = (offsets == m - 1).nonzero().flatten()
-        if closing.numel() == 0:
-            return
-        slots = step.slots[closing]
-        entry_ids = step.positions[closing] // m
+        slots, offsets = step.slots, step.positions % m
+        state.pending_kv[slots, offsets] = kv
+        state.pending_gate[slots, offsets] = gate
+        closing = offsets == m - 1
+        entry_ids = step.positions // m
         prev_kv = prev_gate = has_prev = None
         if self.overlap:
             prev_kv, prev_gate, has_prev = state.prev_kv[slots], state.prev_gate[slots], entry_ids > 0
         window_kv, window_gate = state.pending_kv[slots], state.pending_gate[slots]
         entries = self.pool(window_kv, window_gate, prev_kv, prev_gate, has_prev, entry_ids * m)
         if self.overlap:
-            state.prev_kv[slots] = window_kv[..., : self.dim]
-            state.prev_gate[slots] = window_gate[..., : self.dim]
-        block_ids = step.block_tables[closing].gather(1, state.block_index(entry_ids).unsqueeze(1)).squeeze(1)
-        state.store(block_ids, entry_ids, entries)
+            keep = closing.view(-1, 1, 1)
+            state.prev_kv[slots] = torch.where(keep, window_kv[..., : self.dim], prev_kv)
+            state.prev_gate[slots] = torch.where(keep, window_gate[..., : self.dim], prev_gate)
+        block_ids = step.block_tables.gather(1, state.block_index(entry_ids).unsqueeze(1)).squeeze(1)
+        state.store(torch.where(closing, block_ids, scratch_block), entry_ids, entries)
 
 
 def gather_entries(state: CompressorState, block_table: torch.Tensor, count: int) -> torch.Tensor:
@@ -274,9 +288,9 @@ class Attention(nn.Module):
             rate = config.compress_rate(layer_idx)
             self.compressor = Compressor(config, rate, self.head_dim, overlap=False, rotary=rotary["compress"])
 
-    def forward(self, x: torch.Tensor, step: StepInput, cache: StateCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache) -> torch.Tensor:
         n_tokens = x.shape[0]
-        cos, sin = step.rope[self.rope_type]
+        cos, sin = rope[self.rope_type]
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim)
         q = apply_rope_(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
@@ -290,12 +304,12 @@ class Attention(nn.Module):
             compressed = self.compressor.project(x, step.positions)
             if indexer is not None:
                 indexed = self.compressor.indexer.project(x, step.positions)
-                index_queries = self.compressor.indexer.queries(q_residual, *step.rope["compress"])
+                index_queries = self.compressor.indexer.queries(q_residual, *rope["compress"])
         if step.is_decode:
             if compressed is not None:
-                self.compressor.update_decode(*compressed, step, compressor)
+                self.compressor.update_decode(*compressed, step, compressor, cache.scratch_block)
             if indexed is not None:
-                self.compressor.indexer.update_decode(*indexed, step, indexer)
+                self.compressor.indexer.update_decode(*indexed, step, indexer, cache.scratch_block)
             out = self._decode(q, kv, x, index_queries, step, cache)
         else:
             outs, begin = [], 0
@@ -547,9 +561,9 @@ class DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
-    def forward(self, streams: torch.Tensor, step: StepInput, cache: StateCache) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache) -> torch.Tensor:
         post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(collapsed), step, cache)
+        out = self.self_attn(self.input_layernorm(collapsed), step, rope, cache)
         streams = expand_and_mix(post, out, comb, streams)
         post, comb, collapsed = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(collapsed), step.input_ids)
@@ -597,10 +611,10 @@ class DeepseekV4Model(nn.Module):
 
     def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
         embeds = self.embed_tokens(step.input_ids)
-        step.rope = {label: rotary(step.positions, embeds.dtype) for label, rotary in self.rotary.items()}
+        rope = {label: rotary(step.positions, embeds.dtype) for label, rotary in self.rotary.items()}
         streams = embeds.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
-            streams = layer(streams, step, cache)
+            streams = layer(streams, step, rope, cache)
         return self.norm(self.hc_head(streams))
 
 

@@ -11,6 +11,11 @@ Two kinds of state, following the attention structure (see ARCHITECTURE.md):
   keys of every layer) and each compressor's pending tokens (projections of the tokens
   of the window not yet closed, plus, for CSA, the previous window's half that the next
   entry overlaps with).
+
+Every layer's state is a tensor of its own (not a view into one shared pool): a compiled
+decode step writes it in place, which a compiler can do for a tensor but not, without
+copying the whole pool, for a view of one. Each pool has one row more than it hands out, a
+scratch slot and a scratch block, where the padding rows of a fixed-size decode batch write.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ class BlockAllocator:
 
 @dataclass
 class CompressorState:
-    """One compressor's state: its entries (views into the block pool) and its per-slot pending tokens.
+    """One compressor's state: its entries (its part of every block) and its per-slot pending tokens.
 
     `width` is the projection width per token: 2 * dim for the overlapping CSA series, dim for HCA.
     """
@@ -87,10 +92,10 @@ class CompressorState:
     rate: int
     dim: int
     overlap: bool
-    entries: torch.Tensor  # [num_blocks, BLOCK_SIZE // rate, dim]
-    pending_kv: torch.Tensor  # [max_seqs, rate, width]
-    pending_gate: torch.Tensor  # [max_seqs, rate, width], position bias already added
-    prev_kv: torch.Tensor | None  # [max_seqs, rate, dim]: first series of the last closed window (CSA)
+    entries: torch.Tensor  # [num_blocks + 1, BLOCK_SIZE // rate, dim]
+    pending_kv: torch.Tensor  # [max_seqs + 1, rate, width]
+    pending_gate: torch.Tensor  # [max_seqs + 1, rate, width], position bias already added
+    prev_kv: torch.Tensor | None  # [max_seqs + 1, rate, dim]: first series of the last closed window (CSA)
     prev_gate: torch.Tensor | None
 
     @property
@@ -167,7 +172,11 @@ class StateLayout:
 
 
 class StateCache:
-    """The engine's state memory: a block pool, a slot pool and their allocators."""
+    """The engine's state memory: per-layer block and slot pools and their allocators.
+
+    A block's row, as persisted and handed over (`read_blocks`), is every compressor's entries
+    for its 128 tokens in model order, flattened and concatenated.
+    """
 
     def __init__(
         self, config: ModelConfig, num_blocks: int, max_seqs: int, dtype: torch.dtype, device: torch.device | str
@@ -176,31 +185,52 @@ class StateCache:
         self.layout = StateLayout(config, dtype)
         self.num_blocks = num_blocks
         self.max_seqs = max_seqs
-        self.blocks = torch.zeros(num_blocks, self.layout.block_numel, dtype=dtype, device=device)
+        self.scratch_slot, self.scratch_block = max_seqs, num_blocks  # never handed out
         self.block_allocator = BlockAllocator(num_blocks)
         self._free_slots: deque[int] = deque(range(max_seqs))
         n_layers, window, head_dim = config.num_hidden_layers, config.sliding_window, config.head_dim
+        slots = max_seqs + 1
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
         # window[layer][slot, position % W] = shared key/value of that position
-        self.window = torch.zeros(n_layers, max_seqs, window, head_dim, dtype=dtype, device=device)
+        self.window = [zeros(slots, window, head_dim) for _ in range(n_layers)]
         self.compressors: dict[int, CompressorState] = {}
         self.indexers: dict[int, CompressorState] = {}
-        offset = 0
+        self._entries: list[torch.Tensor] = []  # in block-row order
         for layer, role, rate, dim, overlap in self.layout.compressors:
-            per_block = (BLOCK_SIZE // rate) * dim
-            entries = self.blocks[:, offset : offset + per_block].view(num_blocks, BLOCK_SIZE // rate, dim)
-            offset += per_block
             width = 2 * dim if overlap else dim
             state = CompressorState(
                 rate=rate,
                 dim=dim,
                 overlap=overlap,
-                entries=entries,
-                pending_kv=torch.zeros(max_seqs, rate, width, dtype=dtype, device=device),
-                pending_gate=torch.zeros(max_seqs, rate, width, dtype=dtype, device=device),
-                prev_kv=torch.zeros(max_seqs, rate, dim, dtype=dtype, device=device) if overlap else None,
-                prev_gate=torch.zeros(max_seqs, rate, dim, dtype=dtype, device=device) if overlap else None,
+                entries=zeros(num_blocks + 1, BLOCK_SIZE // rate, dim),
+                pending_kv=zeros(slots, rate, width),
+                pending_gate=zeros(slots, rate, width),
+                prev_kv=zeros(slots, rate, dim) if overlap else None,
+                prev_gate=zeros(slots, rate, dim) if overlap else None,
             )
+            self._entries.append(state.entries)
             (self.compressors if role == "compressor" else self.indexers)[layer] = state
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks, one row each [n, block_numel]."""
+        if not self._entries:
+            return self.window[0].new_zeros(len(block_ids), 0)
+        return torch.cat([entries[block_ids].flatten(1) for entries in self._entries], dim=1)
+
+    def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Set these blocks from rows [n, block_numel] (as `read_blocks` gives them)."""
+        offset = 0
+        for entries in self._entries:
+            width = entries[0].numel()
+            entries[block_ids] = rows[:, offset : offset + width].view(-1, *entries.shape[1:]).to(entries.device)
+            offset += width
+
+    def copy_block(self, source: int, target: int) -> None:
+        for entries in self._entries:
+            entries[target] = entries[source]
 
     @property
     def num_free_slots(self) -> int:
@@ -215,8 +245,8 @@ class StateCache:
         self._free_slots.append(slot)
 
     def _slot_tensors(self) -> dict[str, torch.Tensor]:
-        """Every per-slot pool by a stable name; index [slot] selects one sequence's part."""
-        pools = {"window": self.window.transpose(0, 1)}  # [max_seqs, layers, W, head_dim]
+        """Every per-slot pool but the window rings by a stable name; index [slot] selects one sequence's part."""
+        pools = {}
         for role, states in (("compressor", self.compressors), ("indexer", self.indexers)):
             for layer, state in states.items():
                 pools[f"{layer}.{role}.pending_kv"] = state.pending_kv
@@ -227,14 +257,18 @@ class StateCache:
         return pools
 
     def slot_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(pool.shape[1:]) for name, pool in self._slot_tensors().items()}
+        rings = (len(self.window), *self.window[0].shape[1:])
+        return {"window": rings} | {name: tuple(pool.shape[1:]) for name, pool in self._slot_tensors().items()}
 
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
-        """A copy of one sequence's slot state (window rings, compressors' open windows)."""
-        return {name: pool[slot].clone() for name, pool in self._slot_tensors().items()}
+        """A copy of one sequence's slot state (window rings [layers, W, d], compressors' open windows)."""
+        rings = torch.stack([ring[slot] for ring in self.window])
+        return {"window": rings} | {name: pool[slot].clone() for name, pool in self._slot_tensors().items()}
 
     def write_slot(self, slot: int, values: dict[str, torch.Tensor]) -> None:
         """Set one sequence's slot state; `values` must have exactly `slot_shapes()`."""
+        for layer, ring in enumerate(self.window):
+            ring[slot] = values["window"][layer]
         for name, pool in self._slot_tensors().items():
             pool[slot] = values[name]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ from engine.config import CSA, HCA, SLIDING
 from engine.make_model import preset_config, write_checkpoint
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+# Every service the tests start decodes eager: compiling takes ~40 s a batch bucket on a fresh
+# machine. tests/test_compiled_decode.py compiles once and checks the compiled step's tokens.
+os.environ["DEEPMESH_COMPILE_DECODE"] = "0"
 
 # Three random configurations that together use every attention kind, both router kinds, both
 # scoring functions transformers implements (sqrtsoftplus, sigmoid), YaRN, hc_mult 2..4, and

@@ -53,12 +53,21 @@ def test_block_holds_every_layer_for_128_tokens_in_one_row():
         expected += (BLOCK_SIZE // rate) * config.head_dim
         if rate == 4:
             expected += (BLOCK_SIZE // rate) * config.index_head_dim
-        assert cache.compressors[layer].entries.shape == (4, BLOCK_SIZE // rate, config.head_dim)
-    assert cache.blocks.shape == (4, expected)
-    # writing an entry through a layer's view lands in that block's row and nowhere else
+        # one more block than handed out: the scratch block padding rows write to
+        assert cache.compressors[layer].entries.shape == (5, BLOCK_SIZE // rate, config.head_dim)
+    assert cache.read_blocks([0, 1, 2, 3]).shape == (4, expected) and expected == cache.layout.block_numel
+    # an entry written by a layer lands in that block's row and nowhere else
     cache.compressors[1].entries[2, 5] = 1.0
-    assert cache.blocks[2].count_nonzero() == config.head_dim
-    assert cache.blocks[[0, 1, 3]].count_nonzero() == 0
+    rows = cache.read_blocks([0, 1, 2, 3])
+    assert rows[2].count_nonzero() == config.head_dim
+    assert rows[[0, 1, 3]].count_nonzero() == 0
+    # and a row written back lands in the same place
+    other = StateCache(config, num_blocks=4, max_seqs=2, dtype=torch.float32, device="cpu")
+    other.write_blocks([3], rows[[2]])
+    assert other.compressors[1].entries[3, 5].eq(1.0).all()
+    assert other.read_blocks([3]).count_nonzero() == config.head_dim
+    other.copy_block(3, 0)
+    assert torch.equal(other.read_blocks([0]), rows[[2]])
     assert 2 not in cache.indexers  # sliding-only layer has no compressor
 
 

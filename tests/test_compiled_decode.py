@@ -1,0 +1,111 @@
+"""The compiled decode step (engine/compiled_decode.py) against the eager engine: the same greedy
+tokens in every mode (batch sizes that pad, chunked prefill through the compiled step, state
+handed over, prefixes imported), and eager decoding, with one log line, where nothing compiles.
+
+The graphs are compiled once for this module (the buckets 1, 2 and 4); engines with the same
+state shapes reuse them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import LLMEngine, SamplingParams, StateSnapshot
+from tests.conftest import random_prompts
+from tests.test_state_transfer import decode_to_end, prefill_and_export
+
+# decoding crosses what a step can change: HCA windows close at 127 and 255 (prompts of 100 and
+# 250), a new block starts at 128, CSA windows close every 4 tokens
+LENGTHS = (1, 17, 100, 250, 520)
+MAX_TOKENS = (40, 31, 22, 13, 40)  # requests leave one by one: batches of 4, 3 (padded to 4), 2 and 1
+SLOTS = 4
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(LENGTHS, seed=5)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, prompts) -> list[list[int]]:
+    """The eager engine's greedy tokens, one request at a time."""
+    engine = LLMEngine(tiny_model, max_num_batched_tokens=4096)
+    return [engine.generate([p], greedy(max(MAX_TOKENS)))[0].token_ids for p in prompts]
+
+
+def compiled_engine(model, **options) -> LLMEngine:
+    engine = LLMEngine(model, max_num_seqs=SLOTS, compile_decode=True, **options)
+    assert engine.compiled_decode is not None, "torch.compile is unavailable: is g++ installed (scripts/stack toolchain)?"
+    assert engine.compiled_decode.buckets == [1, 2, 4]
+    return engine
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model) -> LLMEngine:
+    return compiled_engine(tiny_model)
+
+
+def all_state_free(engine: LLMEngine) -> bool:
+    cache = engine.cache
+    return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
+
+
+def test_batches_of_every_size_give_the_eager_tokens(compiled, prompts, expected):
+    outputs = compiled.generate(prompts, [greedy(n) for n in MAX_TOKENS])
+    for output, want, n in zip(outputs, expected, MAX_TOKENS, strict=True):
+        assert output.token_ids == want[:n]
+    assert all_state_free(compiled)
+
+
+def test_prompts_prefilled_a_token_a_step_through_the_compiled_step(tiny_model, prompts, expected):
+    """One-token prefill chunks are decode-shaped steps: the compiled graph computes the prompts too."""
+    engine = compiled_engine(tiny_model, max_num_batched_tokens=1)
+    short = [p for p in prompts if len(p) <= 100]
+    outputs = engine.generate(short, greedy(12))
+    assert [o.token_ids for o in outputs] == [want[:12] for p, want in zip(prompts, expected) if len(p) <= 100]
+    assert all_state_free(engine)
+
+
+def test_handed_over_and_prefix_imported_requests_continue_exactly(tiny_model, compiled, prompts, expected):
+    """As a decode worker runs: state prefilled by an eager engine, decoded by the compiled one."""
+    params = greedy(max(MAX_TOKENS))
+    prefill = LLMEngine(tiny_model, max_num_batched_tokens=256)
+    first = {}
+    for i, prompt in enumerate(prompts[:SLOTS]):
+        first[f"r{i}"], data = prefill_and_export(prefill, f"r{i}", prompt, params)
+        assert compiled.import_state(f"r{i}", StateSnapshot.from_bytes(data), params)
+    continued = decode_to_end(compiled)
+    for i, want in enumerate(expected[:SLOTS]):
+        assert [first[f"r{i}"], *continued[f"r{i}"]] == want
+
+    # a prefix's state (the first 250 tokens of the 520-token prompt), then the rest of the prompt
+    longest = prompts[-1]
+    _, data = prefill_and_export(prefill, "prefix", longest[:250], params)
+    assert compiled.import_prefix("resumed", StateSnapshot.from_bytes(data), longest, params)
+    assert decode_to_end(compiled)["resumed"] == expected[-1]
+    assert all_state_free(compiled)
+
+
+def test_without_a_compiler_decode_runs_eager(tiny_preset, tmp_path):
+    """Where Inductor finds no C++ compiler the engine says so once and decodes eager, to the same text."""
+
+    def generate(*flags: str, **env: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "deepmesh.cli", "generate", "--model", str(tiny_preset)]
+        command += ["--prompt", "The mesh", "--max-tokens", "8", *flags]
+        environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), **env}
+        return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+
+    no_compiler = generate("--compile", CXX=str(tmp_path / "no-such-g++"))
+    assert no_compiler.returncode == 0, no_compiler.stderr
+    assert no_compiler.stderr.count("decode runs eager: torch.compile is unavailable here") == 1
+    eager = generate("--no-compile")
+    assert eager.returncode == 0, eager.stderr
+    assert "decode runs eager" not in eager.stderr
+    assert no_compiler.stdout == eager.stdout and eager.stdout.strip()
