@@ -7,7 +7,10 @@ transformers measured in this same run, and the engine's state size against the
 theoretical minimum for the config.
 
     python benchmarks/engine_vs_transformers.py [--config small|tiny-vocab] [--batches 1 8 32]
-        [--prompt-len 256] [--new-tokens 128]
+        [--prompt-len 256] [--new-tokens 128] [--rounds 3] [--no-compile]
+
+The engine runs twice on the same prompts: decoding eager and decoding through its compiled
+graphs (engine/compiled_decode.py; the time to compile or load them is printed first).
 
 Two checkpoints: `small` (the preset: the real model's shape scaled down, with its 129,280-token
 vocabulary, whose output projection dominates a step) and `tiny-vocab` (4 layers, hidden 256,
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -114,46 +118,69 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="default: benchmarks/results/engine_vs_transformers-CONFIG.json")
+    parser.add_argument("--no-compile", action="store_true", help="the eager engine only")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating; rates are their medians")
     args = parser.parse_args()
     args.model = args.model or ROOT / ".cache/models" / args.config
     args.out = args.out or ROOT / f"benchmarks/results/engine_vs_transformers-{args.config}.json"
     if not (args.model / "config.json").is_file():
         write_checkpoint(args.model, CONFIGS[args.config], seed=0)
     torch.manual_seed(args.seed)
-    engine = LLMEngine.from_pretrained(args.model, max_num_seqs=max(args.batches), max_num_batched_tokens=2048)
-    reference = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    config = engine.config
-    print(f"checkpoint {args.model} ({sum(p.numel() for p in engine.model.parameters()) / 1e6:.0f}M parameters, fp32)")
+    options = {"max_num_seqs": max(args.batches), "max_num_batched_tokens": 2048}
+    eager = LLMEngine.from_pretrained(args.model, **options)
+    engines = {"eager": eager}
+    config = eager.config
+    print(f"checkpoint {args.model} ({sum(p.numel() for p in eager.model.parameters()) / 1e6:.0f}M parameters, fp32)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if not args.no_compile:
+        compiled = LLMEngine(eager.model, weights=eager.weights, compile_decode=True, **options)
+        if compiled.compiled_decode is not None:
+            graphs = compiled.compiled_decode
+            print(f"decode graphs for batches {graphs.buckets} ready in {graphs.warm_up_seconds:.1f} s")
+            engines["compiled"] = compiled
+    reference = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
 
     warm = torch.randint(0, config.vocab_size, (2, 64))
     run_transformers(reference, warm, 4)
-    run_engine(engine, warm, 4)
+    for engine in engines.values():
+        run_engine(engine, warm, 4)
 
     results = []
-    header = f"{'batch':>5} | {'engine':>11} | {'prefill tok/s':>13} | {'decode tok/s':>12} | {'identical':>9}"
+    header = f"{'batch':>5} | {'engine':>12} | {'prefill tok/s':>13} | {'decode tok/s':>12} | {'identical':>9}"
     print(f"\n{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n{header}\n{'-' * len(header)}")
     for batch in args.batches:
         prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len))
-        ours_tokens, start, times = run_engine(engine, prompts, args.new_tokens)
-        ours = rates(batch, args.prompt_len, start, times)
-        ref_tokens, start, times = run_transformers(reference, prompts, args.new_tokens)
-        ref = rates(batch, args.prompt_len, start, times)
-        same = ours_tokens == ref_tokens
-        identical = explain_differences(reference, prompts, ours_tokens, ref_tokens)
-        for name, (prefill, decode) in (("transformers", ref), ("deepmesh", ours)):
-            print(f"{batch:>5} | {name:>11} | {prefill:>13.0f} | {decode:>12.1f} | {identical:>9}")
-        print(f"{batch:>5} | {'ratio':>11} | {ours[0] / ref[0]:>12.2f}x | {ours[1] / ref[1]:>11.2f}x |")
-        results.append(
-            {
-                "batch": batch,
-                "transformers": {"prefill_tok_s": ref[0], "decode_tok_s": ref[1]},
-                "deepmesh": {"prefill_tok_s": ours[0], "decode_tok_s": ours[1]},
+        # the runs alternate, round after round, and each rate is the median of its rounds: this
+        # machine's speed drifts by tens of percent over minutes, which one run each would read as a ratio
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in ("transformers", *engines)}
+        tokens: dict[str, list[list[int]]] = {}
+        for _ in range(args.rounds):
+            tokens["transformers"], start, times = run_transformers(reference, prompts, args.new_tokens)
+            runs["transformers"].append(rates(batch, args.prompt_len, start, times))
+            for name, engine in engines.items():
+                tokens[name], start, times = run_engine(engine, prompts, args.new_tokens)
+                runs[name].append(rates(batch, args.prompt_len, start, times))
+        median = {name: tuple(statistics.median(r[i] for r in rounds) for i in (0, 1)) for name, rounds in runs.items()}
+        ref = median["transformers"]
+        print(f"{batch:>5} | {'transformers':>12} | {ref[0]:>13.0f} | {ref[1]:>12.1f} |")
+        result = {"batch": batch, "transformers": {"prefill_tok_s": ref[0], "decode_tok_s": ref[1]}}
+        for name in engines:
+            ours = median[name]
+            identical = explain_differences(reference, prompts, tokens[name], tokens["transformers"])
+            print(f"{batch:>5} | {name:>12} | {ours[0]:>13.0f} | {ours[1]:>12.1f} | {identical:>9}")
+            print(f"{batch:>5} | {'ratio':>12} | {ours[0] / ref[0]:>12.2f}x | {ours[1] / ref[1]:>11.2f}x |")
+            result[name] = {
+                "prefill_tok_s": ours[0],
+                "decode_tok_s": ours[1],
                 "decode_ratio": ours[1] / ref[1],
                 "prefill_ratio": ours[0] / ref[0],
-                "identical_greedy_output": same,
+                "identical_greedy_output": tokens[name] == tokens["transformers"],
             }
-        )
+        if "compiled" in engines:
+            same = tokens["compiled"] == tokens["eager"]
+            print(f"{batch:>5} | compiled tokens {'identical to' if same else 'DIFFER from'} eager")
+            result["compiled_equals_eager"] = same
+        results.append(result)
 
     print("\nstate per sequence (bf16), allocated vs theoretical minimum")
     state = []
@@ -172,7 +199,9 @@ def main() -> None:
             state.append({"config": name, "tokens": tokens, "allocated": allocated, "minimum": minimum})
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": results, "state": state}, indent=2) + "\n")
+    compile_seconds = engines["compiled"].compiled_decode.warm_up_seconds if "compiled" in engines else None
+    report = {"runs": results, "state": state, "decode_graphs_ready_seconds": compile_seconds}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 

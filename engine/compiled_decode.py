@@ -6,8 +6,8 @@ never on the routing, on which windows close or on other values (model.py keeps 
 the per-layer state is written in place. Batches are padded to a bucket (powers of two up
 to the engine's max_num_seqs); the padding rows compute token 0 at position 0 in the
 cache's scratch slot and scratch block, so they touch no sequence's state. The block-table
-width is a dynamic dimension (padded to at least 2), so one graph per bucket serves every
-sequence length.
+width is a dynamic dimension (padded to a minimum: `min_width`), so one graph per bucket
+serves every sequence length.
 
 Inductor keeps what it compiled on disk (TORCHINDUCTOR_CACHE_DIR, .cache/torchinductor
 unless set: engine/__init__.py): a later start with the same model shape and torch loads the graphs instead of
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
+import types
+from collections.abc import Callable
 
 import torch
 
@@ -25,8 +27,6 @@ from engine.model import DeepseekV4ForCausalLM, StepInput
 from engine.state_cache import StateCache
 
 log = logging.getLogger(__name__)
-
-MIN_WIDTH = 2  # a width of 1 would be specialised into a graph of its own
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -38,6 +38,18 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*buckets, max_batch]
 
 
+def min_width(cache: StateCache) -> int:
+    """The narrowest block table a graph takes. Tracing specialises a dynamic size wherever the code
+    compares it with a constant, which would bind the graph to the width it was traced at: a width
+    of 1 is always specialised, and a CSA layer whose entries are as many as its indexer keeps
+    (top-k) compares them. Padded to 2 blocks and to more entries than top-k, the width is never
+    compared, and every width at least this one runs the same graph."""
+    width = 2
+    for state in cache.indexers.values():
+        width = max(width, cache.config.index_topk // state.entries_per_block + 1)
+    return width
+
+
 def _decode_hidden(
     model: DeepseekV4ForCausalLM,
     cache: StateCache,
@@ -47,6 +59,18 @@ def _decode_hidden(
     block_tables: torch.Tensor,
 ) -> torch.Tensor:
     return model(StepInput(input_ids, positions, slots=slots, block_tables=block_tables), cache)
+
+
+def _decode_function(size: int) -> Callable[..., torch.Tensor]:
+    """_decode_hidden under a code object of its own. Dynamo keeps compiled graphs per code object
+    and picks one by checking the call against each graph's guards in turn: one graph per bucket
+    behind its own code object is one graph to pick from."""
+    code = _decode_hidden.__code__.replace(co_name=f"decode_batch_{size}")
+    return types.FunctionType(code, _decode_hidden.__globals__, code.co_name)
+
+
+def _shapes(inputs: tuple[torch.Tensor, ...]) -> str:
+    return ", ".join(str(tuple(tensor.shape)) for tensor in inputs)
 
 
 def compiler_available() -> str | None:
@@ -67,10 +91,12 @@ class CompiledDecode:
         self.model, self.cache = model, cache
         self.device = model.lm_head.weight.device
         self.buckets = batch_buckets(max_batch)
-        # one graph per bucket, each behind its own guards; the default limit (8) is for training loops
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 2 * len(self.buckets) + 2)
-        self._graph = torch.compile(_decode_hidden, dynamic=False, fullgraph=True)
+        self.min_width = min_width(cache)
+        self._graphs = {
+            size: torch.compile(_decode_function(size), dynamic=False, fullgraph=True) for size in self.buckets
+        }
+        self._warm: set[int] = set()  # buckets whose graph has run once
+        self.warm_up_seconds = 0.0
 
     @classmethod
     def create(cls, model: DeepseekV4ForCausalLM, cache: StateCache, max_batch: int) -> CompiledDecode | None:
@@ -97,7 +123,7 @@ class CompiledDecode:
         n = len(token_ids)
         size = self.bucket(n)
         pad = size - n
-        width = max(MIN_WIDTH, *(len(table) for table in block_tables))
+        width = max(self.min_width, *(len(table) for table in block_tables))
         scratch = self.cache.scratch_block
         tables = [table + [scratch] * (width - len(table)) for table in block_tables]
         tables += [[scratch] * width] * pad
@@ -105,17 +131,33 @@ class CompiledDecode:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        block_table = tensor(tables)
-        torch._dynamo.maybe_mark_dynamic(block_table, 1)
-        hidden = self._graph(
-            self.model,
-            self.cache,
+        inputs = (
             tensor(token_ids + [0] * pad),
             tensor(positions + [0] * pad),
             tensor(slots + [self.cache.scratch_slot] * pad),
-            block_table,
+            tensor(tables),
         )
-        return hidden[:n]
+        return self._run(size, *inputs)[:n]
+
+    def _run(self, size: int, *inputs: torch.Tensor) -> torch.Tensor:
+        block_tables = inputs[-1]
+        torch._dynamo.maybe_mark_dynamic(block_tables, 1)
+        # Checking a call against its graph's guards (the shapes, strides and types of every weight
+        # and state tensor) would cost about a third of a small step. Once compiled, nothing they
+        # check changes: the bucket fixes the batch, the weights and the state tensors are the same
+        # objects for the engine's life, and the one size that varies, the block-table width, is a
+        # dynamic dimension of the graph. So a call after the first checks none of them.
+        if size in self._warm:
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self._graphs[size](self.model, self.cache, *inputs)
+            except RuntimeError as error:  # raised before the graph runs: nothing was written yet
+                if "Recompilation triggered" not in str(error):
+                    raise
+                log.warning("decode graph for batch %d compiled again (%s)", size, _shapes(inputs))
+        hidden = self._graphs[size](self.model, self.cache, *inputs)
+        self._warm.add(size)
+        return hidden
 
     def warm_up(self) -> float:
         """Compile (or load from the disk cache) every bucket's graph; returns the seconds it took.
@@ -126,16 +168,14 @@ class CompiledDecode:
             bucket_start = time.perf_counter()
             self._run_padding(size, scratch)
             log.info("decode graph for batch %d ready in %.1f s", size, time.perf_counter() - bucket_start)
-        seconds = time.perf_counter() - start
-        log.info("%d decode graphs ready in %.1f s", len(self.buckets), seconds)
-        return seconds
+        self.warm_up_seconds = time.perf_counter() - start
+        log.info("%d decode graphs ready in %.1f s", len(self.buckets), self.warm_up_seconds)
+        return self.warm_up_seconds
 
     @torch.inference_mode()
     def _run_padding(self, size: int, scratch: int) -> None:
         def tensor(value: int, *shape: int) -> torch.Tensor:
             return torch.full(shape, value, dtype=torch.long, device=self.device)
 
-        block_table = tensor(scratch, size, MIN_WIDTH)
-        torch._dynamo.maybe_mark_dynamic(block_table, 1)
         slots = tensor(self.cache.scratch_slot, size)
-        self._graph(self.model, self.cache, tensor(0, size), tensor(0, size), slots, block_table)
+        self._run(size, tensor(0, size), tensor(0, size), slots, tensor(scratch, size, self.min_width))
