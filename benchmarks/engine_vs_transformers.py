@@ -31,6 +31,7 @@ from transformers import DeepseekV4ForCausalLM, GenerationConfig, LogitsProcesso
 
 from engine import LLMEngine, SamplingParams
 from engine.make_model import preset_config, write_checkpoint
+from engine.model import Experts, GroupedLinear, HyperConnection, HyperHead, Router
 from engine.state_cache import StateLayout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,6 +104,50 @@ def explain_differences(reference, prompts: torch.Tensor, ours: list[list[int]],
     return f"{len(parted)} differ ({agree} ours = transformers' full-forward argmax)"
 
 
+def matmul_floor(model, batch: int, repeats: int = 5) -> float:
+    """Seconds the weight products of one decode step take here, run alone and back to back: every
+    projection at this batch (the routed experts: as many as the batch's tokens can pick, each with
+    its share of the rows) and the output projection, each as one MKL call. No attention,
+    normalisation, routing, mixing or sampling: no exact fp32 step takes less on this machine."""
+    config = model.config
+    calls = []
+    for name, module in model.named_modules():
+        if name.startswith("mtp") or name == "lm_head":
+            continue
+        if isinstance(module, GroupedLinear):
+            groups = module.n_groups
+            weight = module.weight.view(groups, -1, module.weight.shape[1])
+            x = torch.randn(groups, batch, weight.shape[2])
+            calls.append(lambda x=x, w=weight: torch.bmm(x, w.transpose(1, 2)))
+        elif isinstance(module, torch.nn.Linear):
+            x = torch.randn(batch, module.in_features)
+            calls.append(lambda x=x, w=module.weight: torch.nn.functional.linear(x, w))
+        elif isinstance(module, (HyperConnection, HyperHead)):
+            weight = module.fn if isinstance(module, HyperConnection) else module.hc_fn
+            x = torch.randn(batch, weight.shape[1])
+            calls.append(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
+        elif isinstance(module, Router):
+            x = torch.randn(batch, config.hidden_size)
+            calls.append(lambda x=x, w=module.weight: torch.nn.functional.linear(x, w))
+        elif isinstance(module, Experts):
+            picks = batch * config.num_experts_per_tok
+            used, rows = min(config.n_routed_experts, picks), -(-picks // config.n_routed_experts)
+            x, h = torch.randn(rows, config.hidden_size), torch.randn(rows, config.moe_intermediate_size)
+            for e in range(used):
+                calls.append(lambda x=x, w=module.gate_up_proj[e]: torch.nn.functional.linear(x, w))
+                calls.append(lambda h=h, w=module.down_proj[e]: torch.nn.functional.linear(h, w))
+    hidden = torch.randn(batch, config.hidden_size)
+    calls.append(lambda: model.compute_logits(hidden))
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def rates(batch: int, prompt_len: int, start: float, times: list[float]) -> tuple[float, float]:
     prefill = batch * prompt_len / (times[0] - start)
     decode = batch * (len(times) - 1) / (times[-1] - times[0])
@@ -154,16 +199,25 @@ def main() -> None:
         # machine's speed drifts by tens of percent over minutes, which one run each would read as a ratio
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in ("transformers", *engines)}
         tokens: dict[str, list[list[int]]] = {}
+        floors = []
         for _ in range(args.rounds):
             tokens["transformers"], start, times = run_transformers(reference, prompts, args.new_tokens)
             runs["transformers"].append(rates(batch, args.prompt_len, start, times))
             for name, engine in engines.items():
                 tokens[name], start, times = run_engine(engine, prompts, args.new_tokens)
                 runs[name].append(rates(batch, args.prompt_len, start, times))
+            floors.append(batch / matmul_floor(eager.model, batch))
         median = {name: tuple(statistics.median(r[i] for r in rounds) for i in (0, 1)) for name, rounds in runs.items()}
         ref = median["transformers"]
+        floor = statistics.median(floors)
         print(f"{batch:>5} | {'transformers':>12} | {ref[0]:>13.0f} | {ref[1]:>12.1f} |")
-        result = {"batch": batch, "transformers": {"prefill_tok_s": ref[0], "decode_tok_s": ref[1]}}
+        print(f"{batch:>5} | {'matmul floor':>12} | {'':>13} | {floor:>12.1f} | the weight products alone")
+        print(f"{batch:>5} | {'ratio':>12} | {'':>13} | {floor / ref[1]:>11.2f}x |")
+        result = {
+            "batch": batch,
+            "transformers": {"prefill_tok_s": ref[0], "decode_tok_s": ref[1]},
+            "matmul_floor": {"decode_tok_s": floor, "decode_ratio": floor / ref[1]},
+        }
         for name in engines:
             ours = median[name]
             identical = explain_differences(reference, prompts, tokens[name], tokens["transformers"])

@@ -10,7 +10,9 @@ is the arrival of a request's first generated token on both sides: the engine's 
 the stream's first chunk (the tokenizer sends the role chunk with the first token's text).
 Prints p50 / p99 end-to-end latency, time to first token, output tokens/s and the ratios.
 
-    python benchmarks/mesh_overhead.py [--concurrency 16] [--max-tokens 128] [--model PATH]
+    python benchmarks/mesh_overhead.py [--concurrency 16] [--max-tokens 128] [--model PATH] [--no-compile]
+
+Both engines decode through compiled graphs (engine/compiled_decode.py) unless --no-compile.
 """
 
 from __future__ import annotations
@@ -121,16 +123,19 @@ async def _stream_clients(url: str, bodies: list[dict]) -> tuple[float, dict, di
     return began, first, done, counts
 
 
-def measure(model: Path, bodies: list[dict], prompts: list[list[int]], workdir: Path, rounds: int):
+def measure(
+    model: Path, bodies: list[dict], prompts: list[list[int]], workdir: Path, rounds: int, compile_decode: bool
+):
     """Rounds of the engine alone and of the mesh, alternating, so both meet the machine in the same
     state. The mesh runs as `deepmesh serve` does: prefill and decode on this thread (the one
     thread that runs PyTorch, here and in the engine rounds), tokenizer and HTTP on others."""
     max_tokens = bodies[0]["max_tokens"]
-    engine = LLMEngine.from_pretrained(model)
+    engine = LLMEngine.from_pretrained(model, compile_decode=compile_decode)
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     bus = MemoryBus()
     settings = Settings(database_url=f"sqlite:///{workdir}/cache.db", cache_dir=str(workdir / "kv"))
-    mesh = Mesh(model, bus, StateStore.from_settings(settings), served_model=MODEL_NAME)
+    store = StateStore.from_settings(settings)
+    mesh = Mesh(model, bus, store, served_model=MODEL_NAME, compile_decode=compile_decode)
     mesh.start([mesh.tokenizer])
     jobs = JobStore(f"sqlite:///{workdir}/jobs.db")
     with socket.socket() as probe:
@@ -203,6 +208,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each; the median one (by p50) is reported")
+    parser.add_argument("--no-compile", action="store_true", help="both engines decode eager")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/mesh_overhead.json")
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
@@ -213,7 +219,9 @@ def main() -> None:
     prompts = [codec.prompt("chat.completions", body).token_ids for body in bodies]
     print(f"{args.concurrency} concurrent requests, {len(prompts[0])}-token prompts, {args.max_tokens} new tokens")
     with tempfile.TemporaryDirectory() as workdir:
-        engine_rounds, mesh_rounds = measure(args.model, bodies, prompts, Path(workdir), args.rounds)
+        engine_rounds, mesh_rounds = measure(
+            args.model, bodies, prompts, Path(workdir), args.rounds, not args.no_compile
+        )
     for name, rounds in (("engine", engine_rounds), ("mesh", mesh_rounds)):
         p50s = ", ".join(f"{r['p50_s']:.2f} s" for r in rounds)
         print(f"{name} p50 e2e by round: {p50s}")

@@ -131,6 +131,9 @@ class SimModel:
     def use_backend(self, backend) -> None:
         return
 
+    def merge_projections(self) -> None:
+        return
+
     def __call__(self, step, cache) -> torch.Tensor:
         tokens = len(step.input_ids)
         seconds = self.cost.seconds(tokens, len(step.slices), step.is_decode) * self.slowdown

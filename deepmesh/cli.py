@@ -187,7 +187,15 @@ def _compile_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _compile_decode(args: argparse.Namespace, settings) -> bool:
-    return settings.compile_decode if args.compile is None else args.compile
+    """Whether decode steps run compiled; when they do, says on stderr why the start may take minutes."""
+    compile_decode = settings.compile_decode if args.compile is None else args.compile
+    if compile_decode:
+        print(
+            "compiling the decode step, one graph per batch size (about 40 s each on two cores the first "
+            "time; later starts load them from .cache/torchinductor; --no-compile: none)",
+            file=sys.stderr,
+        )
+    return compile_decode
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -344,7 +352,7 @@ def _service(args: argparse.Namespace) -> int:
         )
         return 0
     replicas = _replica_table(bus, settings.topic_prefix)
-    compile_decode = args.command == "decode" and _compile_decode(args, settings)
+    compile_decode = _compile_decode(args, settings) if args.command == "decode" else False
     worker = _make_worker(args.command, bus, settings, model, replicas, compile_decode)
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
     if metrics_port:
@@ -544,8 +552,6 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     compile_decode = _compile_decode(args, Settings())
-    if compile_decode:
-        print("compiling the decode step (once: later runs load it from the disk cache)", file=sys.stderr)
     engine = LLMEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, compile_decode=compile_decode
     )

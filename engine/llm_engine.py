@@ -61,6 +61,7 @@ class LLMEngine:
         keep_freed_memory_in_process()
         self.backend = select_backend(self.device, kernel_backend)
         model.use_backend(self.backend)
+        model.merge_projections()
         self.max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )

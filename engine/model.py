@@ -87,6 +87,33 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+class MergedProjections:
+    """Projections of the same input as one matrix product: once the model's weights are in place,
+    `merge` stacks theirs and makes each projection's weight a view of its rows (the weights are
+    held once, and the modules keep their parameters and names). Until then each runs alone."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules  # each with a weight [out, in]
+        self.merged: torch.Tensor | None = None
+        self.sizes: list[int] = []
+
+    def merge(self) -> None:
+        if self.merged is not None:
+            return
+        weights = [module.weight for module in self.modules]
+        merged = torch.cat([weight.detach() for weight in weights])
+        start = 0
+        for weight in weights:
+            weight.data = merged[start : start + weight.shape[0]]
+            start += weight.shape[0]
+        self.merged, self.sizes = merged, [weight.shape[0] for weight in weights]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.merged is None:
+            return [F.linear(x, module.weight) for module in self.modules]
+        return list(F.linear(x, self.merged).split(self.sizes, dim=-1))
+
+
 class GroupedLinear(nn.Linear):
     """Block-diagonal projection: each of `n_groups` head groups is projected on its own."""
 
@@ -118,10 +145,11 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(dim, config.rms_norm_eps)
         self.rotary = rotary
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv_proj(x)
-        gate = self.gate_proj(x) + self.position_bias[positions % self.rate]
-        return kv, gate.to(kv.dtype)
+    def with_position_bias(
+        self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_proj's and gate_proj's outputs for tokens at these positions, the gate's bias added."""
+        return kv, (gate + self.position_bias[positions % self.rate]).to(kv.dtype)
 
     def pool(
         self,
@@ -227,8 +255,9 @@ class Indexer(Compressor):
         self.softmax_scale = self.dim**-0.5
         self.weights_scaling = self.num_heads**-0.5
 
-    def queries(self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q_b_proj(q_residual).view(q_residual.shape[0], self.num_heads, self.dim)
+    def queries(self, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q_b_proj's output [T, heads * dim] -> rotated queries [T, heads, dim]."""
+        q = projected.reshape(projected.shape[0], self.num_heads, self.dim)
         return apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def select(self, scores: torch.Tensor, count: int) -> torch.Tensor:
@@ -287,24 +316,34 @@ class Attention(nn.Module):
         elif self.layer_type != SLIDING:
             rate = config.compress_rate(layer_idx)
             self.compressor = Compressor(config, rate, self.head_dim, overlap=False, rotary=rotary["compress"])
+        # what reads the layer's input, and what reads the query's low-rank residual
+        inputs, queries = [self.q_a_proj, self.kv_proj], [self.q_b_proj]
+        if self.compressor is not None:
+            inputs += [self.compressor.kv_proj, self.compressor.gate_proj]
+        if self.layer_type == CSA:
+            inputs += [self.compressor.indexer.kv_proj, self.compressor.indexer.gate_proj]
+            queries.append(self.compressor.indexer.q_b_proj)
+        self.input_projections, self.query_projections = MergedProjections(inputs), MergedProjections(queries)
 
     def forward(self, x: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache) -> torch.Tensor:
         n_tokens = x.shape[0]
         cos, sin = rope[self.rope_type]
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_residual).view(n_tokens, self.num_heads, self.head_dim)
+        q_a, kv, *compressor_inputs = self.input_projections(x)
+        q_residual = self.q_a_norm(q_a)
+        q, *index_q = self.query_projections(q_residual)
+        q = q.reshape(n_tokens, self.num_heads, self.head_dim)
         q = apply_rope_(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = apply_rope_(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv = apply_rope_(self.kv_norm(kv), cos, sin)
 
         compressor = cache.compressors.get(self.layer_idx)
         indexer = cache.indexers.get(self.layer_idx)
         # token-wise projections for every sequence at once; the per-sequence state updates follow
         compressed = indexed = index_queries = None
         if self.compressor is not None:
-            compressed = self.compressor.project(x, step.positions)
+            compressed = self.compressor.with_position_bias(*compressor_inputs[:2], step.positions)
             if indexer is not None:
-                indexed = self.compressor.indexer.project(x, step.positions)
-                index_queries = self.compressor.indexer.queries(q_residual, *rope["compress"])
+                indexed = self.compressor.indexer.with_position_bias(*compressor_inputs[2:], step.positions)
+                index_queries = self.compressor.indexer.queries(index_q[0], *rope["compress"])
         if step.is_decode:
             if compressed is not None:
                 self.compressor.update_decode(*compressed, step, compressor, cache.scratch_block)
@@ -426,8 +465,11 @@ class MLP(nn.Module):
         self.limit = config.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.from_projections(self.gate_proj(x), self.up_proj(x))
+
+    def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The output, given gate_proj's and up_proj's."""
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -461,8 +503,8 @@ class Router(nn.Module):
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+    def forward(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts and their weights, from the router's logits (x @ weight^T)."""
         if self.scoring == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
         elif self.scoring == "softmax":
@@ -484,10 +526,13 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(config, hashed=config.mlp_layer_types[layer_idx] == "hash_moe")
         self.experts = Experts(config)
         self.shared_experts = MLP(config)
+        shared = self.shared_experts
+        self.input_projections = MergedProjections([self.gate, shared.gate_proj, shared.up_proj])
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        indices, weights = self.gate(x, input_ids)
-        return self.experts(x, indices, weights) + self.shared_experts(x)
+        router_logits, gate, up = self.input_projections(x)
+        indices, weights = self.gate(router_logits, input_ids)
+        return self.experts(x, indices, weights) + self.shared_experts.from_projections(gate, up)
 
 
 class HyperConnection(nn.Module):
@@ -630,6 +675,14 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the step."""
         return self.model(step, cache)
+
+    def merge_projections(self) -> None:
+        """Projections of the same input become one matrix product each (MergedProjections); once the
+        weights are in place, before the model runs. Idempotent."""
+        for module in self.modules():
+            for projections in (getattr(module, "input_projections", None), getattr(module, "query_projections", None)):
+                if projections is not None:
+                    projections.merge()
 
     def use_backend(self, backend: object) -> None:
         """Route the attention core and the routed experts of every layer through `backend`."""
