@@ -9,9 +9,9 @@ cache's scratch slot and scratch block, so they touch no sequence's state. The b
 width is a dynamic dimension (padded to a minimum: `min_width`), so one graph per bucket
 serves every sequence length.
 
-Inductor keeps what it compiled on disk (TORCHINDUCTOR_CACHE_DIR, .cache/torchinductor
-unless set: engine/__init__.py): a later start with the same model shape and torch loads the graphs instead of
-compiling them. `warm_up` compiles every bucket before the first request.
+Inductor keeps what it compiled on disk (TORCHINDUCTOR_CACHE_DIR, .cache/torchinductor unless
+set: engine/__init__.py): a later start with the same model shape, torch and model code loads
+the graphs instead of compiling them. `warm_up` compiles every bucket before the first request.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def min_width(cache: StateCache) -> int:
     """The narrowest block table a graph takes. Tracing specialises a dynamic size wherever the code
     compares it with a constant, which would bind the graph to the width it was traced at: a width
     of 1 is always specialised, and a CSA layer whose entries are as many as its indexer keeps
-    (top-k) compares them. Padded to 2 blocks and to more entries than top-k, the width is never
-    compared, and every width at least this one runs the same graph."""
+    (top-k) compares them. Padded to 2 blocks and to more entries than top-k, no comparison can
+    come out otherwise for a wider table, and every width at least this one runs the same graph."""
     width = 2
     for state in cache.indexers.values():
         width = max(width, cache.config.index_topk // state.entries_per_block + 1)
