@@ -120,10 +120,15 @@ class CompiledDecode:
         self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
     ) -> torch.Tensor:
         """Final hidden states [len(token_ids), hidden] of one decode token per sequence."""
-        n = len(token_ids)
-        size = self.bucket(n)
-        pad = size - n
-        width = max(self.min_width, *(len(table) for table in block_tables))
+        size = self.bucket(len(token_ids))
+        return self._run(size, *self._padded(size, token_ids, positions, slots, block_tables))[: len(token_ids)]
+
+    def _padded(
+        self, size: int, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
+    ) -> tuple[torch.Tensor, ...]:
+        """The graph's inputs for these rows, padded to `size` rows and at least `min_width` blocks."""
+        pad = size - len(token_ids)
+        width = max([self.min_width, *map(len, block_tables)])
         scratch = self.cache.scratch_block
         tables = [table + [scratch] * (width - len(table)) for table in block_tables]
         tables += [[scratch] * width] * pad
@@ -131,13 +136,12 @@ class CompiledDecode:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        inputs = (
+        return (
             tensor(token_ids + [0] * pad),
             tensor(positions + [0] * pad),
             tensor(slots + [self.cache.scratch_slot] * pad),
             tensor(tables),
         )
-        return self._run(size, *inputs)[:n]
 
     def _run(self, size: int, *inputs: torch.Tensor) -> torch.Tensor:
         block_tables = inputs[-1]
@@ -159,23 +163,15 @@ class CompiledDecode:
         self._warm.add(size)
         return hidden
 
+    @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile (or load from the disk cache) every bucket's graph; returns the seconds it took.
         Only padding rows run: no sequence's state is touched."""
         start = time.perf_counter()
-        scratch = self.cache.scratch_block
         for size in self.buckets:
             bucket_start = time.perf_counter()
-            self._run_padding(size, scratch)
+            self._run(size, *self._padded(size, [], [], [], []))
             log.info("decode graph for batch %d ready in %.1f s", size, time.perf_counter() - bucket_start)
         self.warm_up_seconds = time.perf_counter() - start
         log.info("%d decode graphs ready in %.1f s", len(self.buckets), self.warm_up_seconds)
         return self.warm_up_seconds
-
-    @torch.inference_mode()
-    def _run_padding(self, size: int, scratch: int) -> None:
-        def tensor(value: int, *shape: int) -> torch.Tensor:
-            return torch.full(shape, value, dtype=torch.long, device=self.device)
-
-        slots = tensor(self.cache.scratch_slot, size)
-        self._run(size, tensor(0, size), tensor(0, size), slots, tensor(scratch, size, self.min_width))
