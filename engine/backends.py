@@ -94,8 +94,15 @@ class TorchBackend:
     ) -> torch.Tensor:
         """Clamped-SwiGLU experts: the (token, expert) pairs sorted by expert, each expert's run of
         rows multiplied by its weights in one grouped matmul. Every shape depends on the number of
-        tokens only, not on the routing: no host sync, nothing for a compiler to break on."""
+        tokens only, not on the routing: no host sync, nothing for a compiler to break on.
+
+        On a CPU, F.grouped_mm is a loop of one matrix product per expert, each with a host sync for
+        its run's length; up to PICKS_PER_EXPERT picks per expert (every decode step) each pick is
+        instead its own row times its expert's weights, one batched product for them all: at batch 1
+        to 128 that is 2-4x faster here though it reads an expert's weights once per pick."""
         top_k, n_experts = indices.shape[1], gate_up.shape[0]
+        if x.device.type == "cpu" and indices.numel() <= PICKS_PER_EXPERT * n_experts:
+            return _experts_per_pick(x, indices, weights, gate_up, down, limit)
         flat = indices.flatten()
         order = flat.argsort(stable=True)
         experts = torch.arange(n_experts, device=flat.device, dtype=flat.dtype)
@@ -105,6 +112,28 @@ class TorchBackend:
         hidden = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
         y = F.grouped_mm(hidden, down.transpose(1, 2), offs=ends) * weights.flatten()[order].unsqueeze(1)
         return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+PICKS_PER_EXPERT = 16  # see routed_experts: past about 32 picks per expert the grouped product wins
+
+
+def _experts_per_pick(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """routed_experts with each (token, expert) pick multiplied on its own: a row's result depends on
+    its token and expert alone, never on what else the batch holds."""
+    top_k = indices.shape[1]
+    rows = x.repeat_interleave(top_k, dim=0).unsqueeze(1)  # [T * k, 1, D]
+    picked = indices.flatten()
+    gate, up = torch.bmm(rows, gate_up[picked].transpose(1, 2)).squeeze(1).chunk(2, dim=-1)
+    hidden = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    y = torch.bmm(hidden.unsqueeze(1), down[picked].transpose(1, 2)).view(x.shape[0], top_k, -1)
+    return (y * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
 @dataclass

@@ -48,3 +48,33 @@ def test_a_registered_backend_is_used_for_its_devices_only(tiny_model):
 
         backends._REGISTRY.pop("counting")
         tiny_model.use_backend(TorchBackend())
+
+
+def test_routed_experts_per_pick_and_grouped_agree_and_a_row_never_depends_on_its_batch():
+    """Decode-sized steps multiply each (token, expert) pick on its own, longer ones run a grouped
+    product per expert: both are the same function of the routing, and under the first a token's
+    output is bit-for-bit the same alone or batched with any others."""
+    from engine import backends
+
+    torch.manual_seed(0)
+    n_experts, hidden, inner, top_k, limit = 8, 64, 32, 2, 7.0
+    gate_up = torch.randn(n_experts, 2 * inner, hidden) * 0.1
+    down = torch.randn(n_experts, hidden, inner) * 0.1
+    x = torch.randn(64, hidden)
+    indices = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(64)])
+    weights = torch.rand(64, top_k)
+
+    def experts(rows: slice) -> torch.Tensor:
+        return TorchBackend.routed_experts(x[rows], indices[rows], weights[rows], gate_up, down, limit)
+
+    per_pick = experts(slice(0, 64))  # 128 picks <= 16 per expert
+    limit_before = backends.PICKS_PER_EXPERT
+    backends.PICKS_PER_EXPERT = 0
+    try:
+        grouped = experts(slice(0, 64))
+    finally:
+        backends.PICKS_PER_EXPERT = limit_before
+    torch.testing.assert_close(per_pick, grouped, rtol=1e-5, atol=1e-6)
+    alone = torch.cat([experts(slice(i, i + 1)) for i in range(64)])
+    assert torch.equal(per_pick, alone)
+    assert torch.equal(experts(slice(5, 37))[3], per_pick[8])
