@@ -1,9 +1,9 @@
 """The decode step as one compiled graph per batch-size bucket.
 
-torch.compile traces the model's decode forward (embedding to final hidden states) into a
-single graph: every shape in it depends on the batch size and the block-table width only,
-never on the routing, on which windows close or on other values (model.py keeps it so), and
-the per-layer state is written in place. Batches are padded to a bucket (powers of two up
+torch.compile traces the model's decode forward (embedding to logits) into a single graph:
+every shape in it depends on the batch size and the block-table width only, never on the
+routing, on which windows close or on other values (model.py keeps it so), and the per-layer
+state is written in place. Batches are padded to a bucket (powers of two up
 to the engine's max_num_seqs); the padding rows compute token 0 at position 0 in the
 cache's scratch slot and scratch block, so they touch no sequence's state. The block-table
 width is a dynamic dimension (padded to a minimum: `min_width`), so one graph per bucket
@@ -20,6 +20,7 @@ import logging
 import time
 import types
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,15 @@ from engine.model import DeepseekV4ForCausalLM, StepInput
 from engine.state_cache import StateCache
 
 log = logging.getLogger(__name__)
+
+
+class DecodeOutput(NamedTuple):
+    """A compiled decode step's rows: the output projection and what sampling reads of it are in the graph."""
+
+    hidden: torch.Tensor  # [B, hidden]
+    logits: torch.Tensor  # [B, vocab] fp32
+    normalizer: torch.Tensor  # [B]: the logits' logsumexp
+    argmax: torch.Tensor  # [B]
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -50,23 +60,25 @@ def min_width(cache: StateCache) -> int:
     return width
 
 
-def _decode_hidden(
+def _decode(
     model: DeepseekV4ForCausalLM,
     cache: StateCache,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
     block_tables: torch.Tensor,
-) -> torch.Tensor:
-    return model(StepInput(input_ids, positions, slots=slots, block_tables=block_tables), cache)
+) -> tuple[torch.Tensor, ...]:
+    hidden = model(StepInput(input_ids, positions, slots=slots, block_tables=block_tables), cache)
+    logits = model.compute_logits(hidden)
+    return hidden, logits, logits.logsumexp(dim=-1), logits.argmax(dim=-1)
 
 
-def _decode_function(size: int) -> Callable[..., torch.Tensor]:
-    """_decode_hidden under a code object of its own. Dynamo keeps compiled graphs per code object
-    and picks one by checking the call against each graph's guards in turn: one graph per bucket
+def _decode_function(size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """_decode under a code object of its own. Dynamo keeps compiled graphs per code object and
+    picks one by checking the call against each graph's guards in turn: one graph per bucket
     behind its own code object is one graph to pick from."""
-    code = _decode_hidden.__code__.replace(co_name=f"decode_batch_{size}")
-    return types.FunctionType(code, _decode_hidden.__globals__, code.co_name)
+    code = _decode.__code__.replace(co_name=f"decode_batch_{size}")
+    return types.FunctionType(code, _decode.__globals__, code.co_name)
 
 
 def _shapes(inputs: tuple[torch.Tensor, ...]) -> str:
@@ -118,10 +130,11 @@ class CompiledDecode:
     @torch.inference_mode()
     def __call__(
         self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
-    ) -> torch.Tensor:
-        """Final hidden states [len(token_ids), hidden] of one decode token per sequence."""
-        size = self.bucket(len(token_ids))
-        return self._run(size, *self._padded(size, token_ids, positions, slots, block_tables))[: len(token_ids)]
+    ) -> DecodeOutput:
+        """One decode token per sequence: the final hidden states and what sampling reads of the logits."""
+        size, rows = self.bucket(len(token_ids)), len(token_ids)
+        outputs = self._run(size, *self._padded(size, token_ids, positions, slots, block_tables))
+        return DecodeOutput(*(tensor[:rows] for tensor in outputs))
 
     def _padded(
         self, size: int, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
@@ -143,7 +156,7 @@ class CompiledDecode:
             tensor(tables),
         )
 
-    def _run(self, size: int, *inputs: torch.Tensor) -> torch.Tensor:
+    def _run(self, size: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         block_tables = inputs[-1]
         torch._dynamo.maybe_mark_dynamic(block_tables, 1)
         # Checking a call against its graph's guards (the shapes, strides and types of every weight
@@ -159,9 +172,9 @@ class CompiledDecode:
                 if "Recompilation triggered" not in str(error):
                     raise
                 log.warning("decode graph for batch %d compiled again (%s)", size, _shapes(inputs))
-        hidden = self._graphs[size](self.model, self.cache, *inputs)
+        outputs = self._graphs[size](self.model, self.cache, *inputs)
         self._warm.add(size)
-        return hidden
+        return outputs
 
     @torch.inference_mode()
     def warm_up(self) -> float:

@@ -13,7 +13,7 @@ import torch
 
 from common.blocks import BLOCK_SIZE
 from engine.backends import keep_freed_memory_in_process, select_backend
-from engine.compiled_decode import CompiledDecode
+from engine.compiled_decode import CompiledDecode, DecodeOutput
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.grammar import GrammarCompiler, consume
@@ -383,8 +383,9 @@ class LLMEngine:
         self.last_step_tokens = sum(batch.num_tokens) if batch else 0
         sampled = [seq for seq in computed if seq in self.scheduler.running]  # not preempted to make room
         rows = [seq.last_hidden for seq in sampled]
+        decoded = None  # a compiled decode step's logits, when they are every sampled row's
         if batch is not None:
-            last = self._forward(batch.seqs, batch.num_tokens)
+            last, decoded = self._forward(batch.seqs, batch.num_tokens)
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
                 seq.num_computed += n
                 seq.last_hidden = last[i]
@@ -397,10 +398,12 @@ class LLMEngine:
                     rows.append(last[i])
         if not sampled:
             return outputs
-        logits = self.model.compute_logits(torch.stack(rows))
         matchers = [seq.matcher for seq in sampled]
         grammars = self.grammars.step(matchers) if any(m is not None for m in matchers) else None
-        tokens, logprobs, tops = self.sampler(logits, sampled, grammars)
+        if decoded is not None and len(sampled) == len(batch.seqs):  # each decoded row, and nothing else
+            tokens, logprobs, tops = self.sampler(decoded.logits, sampled, grammars, decoded.normalizer, decoded.argmax)
+        else:
+            tokens, logprobs, tops = self.sampler(self.model.compute_logits(torch.stack(rows)), sampled, grammars)
         for seq, token, logprob, top in zip(sampled, tokens, logprobs, tops, strict=True):
             if seq.matcher is not None:
                 consume(seq.matcher, token)
@@ -428,22 +431,24 @@ class LLMEngine:
             )
         return outputs
 
-    def _forward(self, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
-        """Compute the scheduled tokens; each sequence's last hidden state of the step [len(seqs), hidden]."""
+    def _forward(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[torch.Tensor, DecodeOutput | None]:
+        """Compute the scheduled tokens: each sequence's last hidden state of the step [len(seqs), hidden],
+        and, from a compiled decode step, their logits too (else None)."""
         if self.compiled_decode is not None and all(n == 1 for n in num_tokens):
-            return self.compiled_decode(
+            decoded = self.compiled_decode(
                 [seq.tokens_between(seq.num_computed, seq.num_computed + 1)[0] for seq in seqs],
                 [seq.num_computed for seq in seqs],
                 [seq.slot for seq in seqs],
                 [seq.block_table for seq in seqs],
             )
+            return decoded.hidden, decoded
         slices, token_ids, ends = [], [], []
         for seq, n in zip(seqs, num_tokens, strict=True):
             slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
             token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
             ends.append(len(token_ids) - 1)
         step = StepInput.of(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
-        return self.model(step, self.cache)[ends].clone()  # each sequence's last token of the step
+        return self.model(step, self.cache)[ends].clone(), None  # each sequence's last token of the step
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params

@@ -56,21 +56,27 @@ class Grammars(Protocol):
 
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], grammars: Grammars | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        grammars: Grammars | None = None,
+        normalizer: torch.Tensor | None = None,
+        argmax: torch.Tensor | None = None,
     ) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
         """logits [B, V] (fp32) for the next token of each sequence -> (token ids, their logprobs,
         and for sequences that ask (params.logprobs) the most likely tokens with theirs).
-        `grammars`: the rows' output constraints.
+        `grammars`: the rows' output constraints. `normalizer` (the logits' logsumexp) and `argmax`
+        [B]: where the step computed them already (the compiled decode step does).
 
         Logprobs are those of the model's own distribution, before temperature, filters and grammars.
         """
-        normalizer = logits.logsumexp(dim=-1)
+        normalizer = logits.logsumexp(dim=-1) if normalizer is None else normalizer
         tops = _top_logprobs(logits, normalizer, seqs)
         constrained = grammars.rows if grammars is not None else []
         greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
         tokens = [0] * len(seqs)
         if any(i not in constrained for i in greedy):  # one pass over every row: no copy of the free ones
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = (logits.argmax(dim=-1) if argmax is None else argmax).tolist()
         # a constrained greedy row: its most likely tokens in order, the best its grammar allows
         best = [i for i in greedy if i in constrained]
         width = min(CANDIDATES, logits.shape[1])

@@ -78,6 +78,24 @@ def test_prompts_prefilled_a_token_a_step_through_the_compiled_step(tiny_model, 
     assert all_state_free(engine)
 
 
+def test_sampled_rows_and_logprobs_come_out_as_eager(tiny_model, compiled, prompts):
+    """The graph also computes the logits, their normalizer and argmax: a batch mixing greedy rows
+    with logprobs and seeded sampled rows draws the same tokens as eager, with the same logprobs."""
+    params = [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=1.2, top_k=50, seed=8, ignore_eos=True, logprobs=1),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+    ]
+    batch = prompts[:SLOTS]
+    eager = LLMEngine(tiny_model, max_num_seqs=SLOTS).generate(batch, params)
+    ours = compiled.generate(batch, params)
+    for mine, theirs in zip(ours, eager, strict=True):
+        assert mine.token_ids == theirs.token_ids
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+    assert all_state_free(compiled)
+
+
 def test_handed_over_and_prefix_imported_requests_continue_exactly(tiny_model, compiled, prompts, expected):
     """As a decode worker runs: state prefilled by an eager engine, decoded by the compiled one."""
     params = greedy(max(MAX_TOKENS))
