@@ -106,13 +106,22 @@ def explain_differences(reference, prompts: torch.Tensor, ours: list[list[int]],
 
 def matmul_floor(model, batch: int, repeats: int = 5) -> float:
     """Seconds the weight products of one decode step take here, run alone and back to back: every
-    projection at this batch (the routed experts: as many as the batch's tokens can pick, each with
-    its share of the rows) and the output projection, each as one MKL call. No attention,
-    normalisation, routing, mixing or sampling: no exact fp32 step takes less on this machine."""
+    projection at this batch (those of one input as one product, as the engine merges them; the
+    routed experts: as many as the batch's tokens can pick, each with its share of the rows, in one
+    batched product) and the output projection, each as one MKL call. No attention, normalisation,
+    routing, mixing or sampling: no exact fp32 step takes less on this machine."""
     config = model.config
     calls = []
+    merged = set()
     for name, module in model.named_modules():
-        if name.startswith("mtp") or name == "lm_head":
+        for projections in (getattr(module, "input_projections", None), getattr(module, "query_projections", None)):
+            if projections is not None and not name.startswith("mtp"):
+                weight = torch.cat([m.weight.detach() for m in projections.modules])
+                x = torch.randn(batch, weight.shape[1])
+                calls.append(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
+                merged.update(id(m) for m in projections.modules)
+    for name, module in model.named_modules():
+        if name.startswith("mtp") or name == "lm_head" or id(module) in merged:
             continue
         if isinstance(module, GroupedLinear):
             groups = module.n_groups
@@ -132,10 +141,10 @@ def matmul_floor(model, batch: int, repeats: int = 5) -> float:
         elif isinstance(module, Experts):
             picks = batch * config.num_experts_per_tok
             used, rows = min(config.n_routed_experts, picks), -(-picks // config.n_routed_experts)
-            x, h = torch.randn(rows, config.hidden_size), torch.randn(rows, config.moe_intermediate_size)
-            for e in range(used):
-                calls.append(lambda x=x, w=module.gate_up_proj[e]: torch.nn.functional.linear(x, w))
-                calls.append(lambda h=h, w=module.down_proj[e]: torch.nn.functional.linear(h, w))
+            x = torch.randn(used, rows, config.hidden_size)
+            h = torch.randn(used, rows, config.moe_intermediate_size)
+            calls.append(lambda x=x, w=module.gate_up_proj[:used]: torch.bmm(x, w.transpose(1, 2)))
+            calls.append(lambda h=h, w=module.down_proj[:used]: torch.bmm(h, w.transpose(1, 2)))
     hidden = torch.randn(batch, config.hidden_size)
     calls.append(lambda: model.compute_logits(hidden))
     times = []

@@ -51,10 +51,10 @@ def test_a_registered_backend_is_used_for_its_devices_only(tiny_model):
 
 
 def test_routed_experts_per_pick_and_grouped_agree_and_a_row_never_depends_on_its_batch():
-    """Decode-sized steps multiply each (token, expert) pick on its own, longer ones run a grouped
-    product per expert: both are the same function of the routing, and under the first a token's
-    output is bit-for-bit the same alone or batched with any others."""
-    from engine import backends
+    """Small steps multiply each (token, expert) pick on its own, longer ones run a grouped product
+    per expert: both are the same function of the routing, and under the first a token's output is
+    bit-for-bit the same alone or batched with any others."""
+    from engine.backends import _experts_per_pick
 
     torch.manual_seed(0)
     n_experts, hidden, inner, top_k, limit = 8, 64, 32, 2, 7.0
@@ -64,17 +64,15 @@ def test_routed_experts_per_pick_and_grouped_agree_and_a_row_never_depends_on_it
     indices = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(64)])
     weights = torch.rand(64, top_k)
 
-    def experts(rows: slice) -> torch.Tensor:
+    def per_pick(rows: slice) -> torch.Tensor:
+        return _experts_per_pick(x[rows], indices[rows], weights[rows], gate_up, down, limit)
+
+    def chosen(rows: slice) -> torch.Tensor:  # the path routed_experts takes for this many tokens
         return TorchBackend.routed_experts(x[rows], indices[rows], weights[rows], gate_up, down, limit)
 
-    per_pick = experts(slice(0, 64))  # 128 picks <= 16 per expert
-    limit_before = backends.PICKS_PER_EXPERT
-    backends.PICKS_PER_EXPERT = 0
-    try:
-        grouped = experts(slice(0, 64))
-    finally:
-        backends.PICKS_PER_EXPERT = limit_before
-    torch.testing.assert_close(per_pick, grouped, rtol=1e-5, atol=1e-6)
-    alone = torch.cat([experts(slice(i, i + 1)) for i in range(64)])
-    assert torch.equal(per_pick, alone)
-    assert torch.equal(experts(slice(5, 37))[3], per_pick[8])
+    everything = per_pick(slice(0, 64))
+    torch.testing.assert_close(everything, chosen(slice(0, 64)), rtol=1e-5, atol=1e-6)  # 128 picks: grouped
+    assert torch.equal(chosen(slice(8, 12)), everything[8:12])  # 8 picks, one per expert: per pick
+    alone = torch.cat([per_pick(slice(i, i + 1)) for i in range(64)])
+    assert torch.equal(everything, alone)
+    assert torch.equal(per_pick(slice(5, 37))[3], everything[8])
