@@ -261,14 +261,21 @@ class Indexer(Compressor):
         return apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def select(self, scores: torch.Tensor, count: int) -> torch.Tensor:
-        """Indices of the `count` best entries per query.
+        """Indices of the `count` best entries per query, best first.
 
         ReLU makes exact ties common (an entry every head scores negative gets exactly 0),
-        and `torch.topk` breaks ties differently for different tensor lengths. A stable sort
-        gives ties to the earlier entry, so the choice never depends on chunking, padding
-        or batching: cached, chunked and batched runs all select the same entries.
+        and `torch.topk` breaks ties differently for different tensor lengths. Ties go to the
+        earlier entry, so the choice never depends on chunking, padding or batching: cached,
+        chunked and batched runs all select the same entries. That is a stable descending
+        sort's first `count`; a top-k over keys that no two entries share is the same choice
+        at a fraction of the sort's cost: the score's bits turned into an integer of the same
+        order, then the entry's place from the end.
         """
-        return scores.sort(dim=-1, descending=True, stable=True).indices[..., :count]
+        length = scores.shape[-1]
+        bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)  # -0.0 becomes +0.0: the two tie
+        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats count down
+        later = torch.arange(length - 1, -1, -1, device=scores.device)
+        return (ordered * (1 << 32) + later).topk(count, dim=-1).indices
 
     def scores(self, q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q [..., H, dI], keys [..., T, dI], x [..., hidden] -> [..., T]."""

@@ -258,3 +258,20 @@ def test_held_batch_work_waits_while_interactive_work_steps(tiny_model, expected
     while engine.has_unfinished_requests():
         step()
     assert tokens == {"batch": expected[129], "interactive": expected[17]}
+
+
+def test_indexer_selection_is_a_stable_sorts_choice():
+    """The indexer keeps its top-k entries, ties to the earlier one: exactly what a stable descending
+    sort keeps, on scores full of exact ties, signed zeros and masked (-inf) entries."""
+    from engine.model import Indexer
+
+    torch.manual_seed(0)
+    scores = torch.randn(64, 300).relu().round(decimals=1) * torch.randn(64, 1).sign()  # ties, -0.0 among them
+    scores[:, ::7] = float("-inf")
+    scores[0] = 0.0
+    scores[1, ::2], scores[1, 1::2] = -0.0, 0.0  # equal, whatever their sign bits
+    scores[2, 150:] = float("-inf")
+    for rows in (scores, scores[5:9, :37]):
+        for count in (1, 8, 37, rows.shape[1]):
+            stable = rows.sort(dim=-1, descending=True, stable=True).indices[..., :count]
+            assert torch.equal(Indexer.select(None, rows, count), stable)
