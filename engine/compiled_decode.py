@@ -34,7 +34,7 @@ class DecodeOutput(NamedTuple):
     """A compiled decode step's rows: the output projection and what sampling reads of it are in the graph."""
 
     hidden: torch.Tensor  # [B, hidden]
-    logits: torch.Tensor  # [B, vocab] fp32
+    logits: torch.Tensor  # [B, vocab] fp32 (a transposed view)
     normalizer: torch.Tensor  # [B]: the logits' logsumexp
     argmax: torch.Tensor  # [B]
 
@@ -69,8 +69,8 @@ def _decode(
     block_tables: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     hidden = model(StepInput(input_ids, positions, slots=slots, block_tables=block_tables), cache)
-    logits = model.compute_logits(hidden)
-    return hidden, logits, logits.logsumexp(dim=-1), logits.argmax(dim=-1)
+    columns = model.lm_head.backend.logit_columns(hidden, model.lm_head.weight)  # [vocab, B]
+    return hidden, columns.T, columns.logsumexp(dim=0), columns.argmax(dim=0)
 
 
 def _decode_function(size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
