@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import random
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
@@ -400,7 +401,9 @@ class LLMEngine:
             return outputs
         matchers = [seq.matcher for seq in sampled]
         grammars = self.grammars.step(matchers) if any(m is not None for m in matchers) else None
-        if decoded is not None and len(sampled) == len(batch.seqs):  # each decoded row, and nothing else
+        # the graph's logits when the sampled rows are its rows: not with a prompt chunk among them, nor
+        # with a request sampled from its stored hidden state
+        if decoded is not None and len(sampled) == len(batch.seqs) and all(map(operator.is_, sampled, batch.seqs)):
             tokens, logprobs, tops = self.sampler(decoded.logits, sampled, grammars, decoded.normalizer, decoded.argmax)
         else:
             tokens, logprobs, tops = self.sampler(self.model.compute_logits(torch.stack(rows)), sampled, grammars)
