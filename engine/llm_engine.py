@@ -384,7 +384,7 @@ class LLMEngine:
         self.last_step_tokens = sum(batch.num_tokens) if batch else 0
         sampled = [seq for seq in computed if seq in self.scheduler.running]  # not preempted to make room
         rows = [seq.last_hidden for seq in sampled]
-        decoded = None  # a compiled decode step's logits, when they are every sampled row's
+        decoded = None  # what the compiled decode step computed, if this step ran it
         if batch is not None:
             last, decoded = self._forward(batch.seqs, batch.num_tokens)
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends import TorchBackend
+from engine.backends import TorchBackend, clamped_swiglu
 from engine.config import CSA, SLIDING, ModelConfig
 from engine.rope import RotaryEmbedding, apply_rope_
 from engine.state_cache import CompressorState, StateCache
@@ -476,8 +476,7 @@ class MLP(nn.Module):
 
     def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The output, given gate_proj's and up_proj's."""
-        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(clamped_swiglu(gate, up, self.limit))
 
 
 class Experts(nn.Module):
