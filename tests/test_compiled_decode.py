@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from engine import LLMEngine, SamplingParams, StateSnapshot
 from tests.conftest import random_prompts
@@ -66,6 +67,26 @@ def test_batches_of_every_size_give_the_eager_tokens(compiled, prompts, expected
     assert all_state_free(compiled)
     # block tables 2 to 5 blocks wide ran the graphs warmed up at the narrowest: none compiled again
     assert not caplog.records
+
+
+@torch.inference_mode()
+def test_wider_block_tables_pass_the_graphs_guards(compiled):
+    """After its first call a bucket's graph runs without Dynamo's guards (CompiledDecode._run), which
+    is safe only while nothing they check changes. Checked, they pass block tables of every width:
+    no bucket compiles again, each keeps one graph, and each is called directly."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    decode, cache = compiled.compiled_decode, compiled.cache
+    for size in decode.buckets:
+        graph = decode._graphs[size]
+        for width in (decode.min_width, decode.min_width + 1, 3 * decode.min_width + 5):
+            tokens, positions = torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.long)
+            slots, tables = torch.full((size,), cache.scratch_slot), torch.full((size, width), cache.scratch_block)
+            inputs = (tokens, positions, slots, tables)
+            with torch.compiler.set_stance("fail_on_recompile"):
+                graph(decode.model, cache, *inputs)
+        assert len(_debug_get_cache_entry_list(graph._torchdynamo_orig_callable.__code__)) == 1
+        assert decode._direct[size] is not None
 
 
 def test_prompts_prefilled_a_token_a_step_through_the_compiled_step(tiny_model, prompts, expected):
