@@ -99,6 +99,26 @@ def test_prompts_prefilled_a_token_a_step_through_the_compiled_step(tiny_model, 
     assert all_state_free(engine)
 
 
+def test_a_repeat_sampled_beside_a_one_token_prompt_chunk_gets_its_own_logits(tiny_model, prompts, expected):
+    """A step that computes one prompt token of a request through the graph (not sampled: more of its
+    prompt follows) and samples a repeated prompt from its stored hidden state has as many sampled
+    rows as graph rows, none of them the same request's: the repeat's first token comes from its
+    own hidden state, not from the graph's row."""
+    engine = compiled_engine(tiny_model, max_num_batched_tokens=1)
+    prefill = LLMEngine(tiny_model, max_num_batched_tokens=256)
+    repeated, chunked = prompts[2], prompts[1]  # 100 and 17 tokens
+    _, data = prefill_and_export(prefill, "first", repeated, greedy(12))
+    engine.add_request("chunked", chunked, greedy(12))
+    engine.step()  # the chunked prompt's first token
+    assert engine.import_prefix("repeat", StateSnapshot.from_bytes(data), repeated, greedy(12))
+    outputs = {o.request_id: o.new_token_ids for o in engine.step()}
+    assert engine.last_step_tokens == 1 and list(outputs) == ["repeat"]  # the chunk's token; the repeat sampled
+    rest = decode_to_end(engine)
+    assert [*outputs["repeat"], *rest["repeat"]] == expected[2][:12]
+    assert rest["chunked"] == expected[1][:12]
+    assert all_state_free(engine)
+
+
 def test_sampled_rows_and_logprobs_come_out_as_eager(tiny_model, compiled, prompts):
     """The graph also computes the logits, their normalizer and argmax: a batch mixing greedy rows
     with logprobs and seeded sampled rows draws the same tokens as eager, with the same logprobs."""
