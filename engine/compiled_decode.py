@@ -118,12 +118,8 @@ class CompiledDecode:
         self.device = model.lm_head.weight.device
         self.buckets = batch_buckets(max_batch)
         self.min_width = min_width(cache)
-        # cpp_wrapper: the code that calls the graph's kernels is C++ too, not Python (1.065x the step at
-        # batch 1, 1.025x at batch 32 here; compiling takes about a third longer)
-        options = {"cpp_wrapper": True}
         self._graphs = {
-            size: torch.compile(_decode_function(size), dynamic=False, fullgraph=True, options=options)
-            for size in self.buckets
+            size: torch.compile(_decode_function(size), dynamic=False, fullgraph=True) for size in self.buckets
         }
         self._warm: set[int] = set()  # buckets whose graph has run once
         self._direct: dict[int, Callable[..., tuple[torch.Tensor, ...]] | None] = {}  # see _run
