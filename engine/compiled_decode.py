@@ -121,8 +121,8 @@ class CompiledDecode:
         self._graphs = {
             size: torch.compile(_decode_function(size), dynamic=False, fullgraph=True) for size in self.buckets
         }
-        self._warm: set[int] = set()  # buckets whose graph has run once
-        self._direct: dict[int, Callable[..., tuple[torch.Tensor, ...]] | None] = {}  # see _run
+        # per bucket whose graph has run once: the code to call it without Dynamo, or None (see _run)
+        self._direct: dict[int, Callable[..., tuple[torch.Tensor, ...]] | None] = {}
         self.warm_up_seconds = 0.0
 
     @classmethod
@@ -182,7 +182,7 @@ class CompiledDecode:
         if direct is not None:
             return direct(self.model, self.cache, *inputs)
         torch._dynamo.maybe_mark_dynamic(inputs[-1], 1)  # the block-table width
-        if size in self._warm:  # where this torch keeps no code to call: the graph, its guards skipped
+        if size in self._direct:  # run before, but this torch keeps no code to call: guards skipped
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                     return self._graphs[size](self.model, self.cache, *inputs)
@@ -191,7 +191,6 @@ class CompiledDecode:
                     raise
                 log.warning("decode graph for batch %d compiled again (%s)", size, _shapes(inputs))
         outputs = self._graphs[size](self.model, self.cache, *inputs)
-        self._warm.add(size)
         self._direct[size] = compiled_code(self._graphs[size])
         return outputs
 

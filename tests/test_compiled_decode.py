@@ -80,9 +80,8 @@ def test_wider_block_tables_pass_the_graphs_guards(compiled):
     for size in decode.buckets:
         graph = decode._graphs[size]
         for width in (decode.min_width, decode.min_width + 1, 3 * decode.min_width + 5):
-            tokens, positions = torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.long)
-            slots, tables = torch.full((size,), cache.scratch_slot), torch.full((size, width), cache.scratch_block)
-            inputs = (tokens, positions, slots, tables)
+            # one padding-like row (token 0 at position 0 in the scratch slot) with a table this wide
+            inputs = decode._padded(size, [0], [0], [cache.scratch_slot], [[cache.scratch_block] * width])
             with torch.compiler.set_stance("fail_on_recompile"):
                 graph(decode.model, cache, *inputs)
         assert len(_debug_get_cache_entry_list(graph._torchdynamo_orig_callable.__code__)) == 1
