@@ -49,7 +49,7 @@ from gateway import schemas
 from gateway.admission import Admission
 from gateway.batch_api import batch_routes
 from gateway.batch_runner import BatchRunner, BatchRunnerThread
-from gateway.batches import BatchStore
+from gateway.batch_store import BatchStore
 from gateway.dispatch import Dispatcher
 from gateway.files import FileStore
 from gateway.http import Refused, protocol_error, read_body

@@ -16,17 +16,8 @@ from starlette.datastructures import UploadFile
 
 from common.api import BadRequest, parse_object
 from gateway import schemas
-from gateway.batches import (
-    COMPLETION_WINDOWS,
-    ENDED,
-    OPENAI_URLS,
-    Batch,
-    BatchStore,
-    anthropic_batch,
-    anthropic_line,
-    openai_batch,
-    parse_anthropic_requests,
-)
+from gateway.batch_store import COMPLETION_WINDOWS, ENDED, Batch, BatchStore
+from gateway.batches import OPENAI_URLS, anthropic_batch, anthropic_line, openai_batch, parse_anthropic_requests
 from gateway.files import MAX_FILE_BYTES, FileStore, FileTooLarge
 from gateway.http import Refused, protocol_error, read_body
 

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from common.api import error_body
-from gateway.batches import (
+from gateway.batch_store import (
     CANCELED,
     ERRORED,
     EXPIRED,
@@ -35,6 +35,8 @@ from gateway.batches import (
     Batch,
     BatchRequest,
     BatchStore,
+)
+from gateway.batches import (
     InvalidInput,
     openai_line,
     openai_url,

@@ -1,9 +1,9 @@
 """Batches: OpenAI's Batch API (over an uploaded JSONL file) and Anthropic's Message Batches.
 
-A batch is a row in `batches` and one row per request in `batch_requests`; each request runs
-as an async job (gateway/jobs.py) whose id the row holds, so its result is recorded the way
-every async job's is, whichever gateway replica reads it. gateway/batch_runner.py moves
-batches through their lifecycle; this module is the state and how each protocol shows it.
+A batch is a row in `batches` and one row per request in `batch_requests` (gateway/batch_store.py);
+each request runs as an async job (gateway/jobs.py) whose id the row holds. gateway/batch_runner.py
+moves batches through their lifecycle; this module reads a batch's input and shows a batch and
+its results in each protocol's shapes.
 
 OpenAI's lifecycle: validating -> in_progress -> finalizing -> completed, or failed (the input
 file is not a valid batch: `errors` lists each bad line), expired (the completion window
@@ -15,22 +15,26 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Integer, String, func, select
-from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
-
 from common.api import MAX_BODY_BYTES, BadRequest, error_body, protocol_problem, usage_counts
 from common.responses import queued_job_problem
-from gateway.jobs import Base, Job
+from gateway.batch_store import (
+    CANCELED,
+    ERRORED,
+    EXPIRED,
+    PENDING,
+    SENDING,
+    SENT,
+    SUCCEEDED,
+    Batch,
+    BatchRequest,
+)
+from gateway.jobs import Job
 
 MAX_REQUESTS = 50_000
-COMPLETION_WINDOWS = {"24h": 86400.0}
 # the URL a request line of an OpenAI batch names -> the endpoint that answers it
 OPENAI_URLS = {
     "/v1/chat/completions": "chat.completions",
@@ -39,54 +43,6 @@ OPENAI_URLS = {
 }
 CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # Anthropic's rule for a custom_id
 MAX_CUSTOM_ID = 512
-
-# a request's state: pending (not sent yet), sending (its job exists; being produced), sent (its
-# job runs), then one of the final ones
-PENDING, SENDING, SENT = "pending", "sending", "sent"
-SUCCEEDED, ERRORED, CANCELED, EXPIRED = "succeeded", "errored", "canceled", "expired"
-ENDED = ("completed", "failed", "expired", "cancelled")  # batch statuses after which nothing runs
-
-
-class Batch(Base):
-    __tablename__ = "batches"
-
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    protocol: Mapped[str] = mapped_column(String(16))  # openai | anthropic
-    tenant: Mapped[str] = mapped_column(String(64))
-    endpoint: Mapped[str] = mapped_column(String(32))
-    input_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    status: Mapped[str] = mapped_column(String(16), index=True)
-    completion_window: Mapped[str] = mapped_column(String(8))
-    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
-    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
-    usage: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    created_at: Mapped[float] = mapped_column(Float)
-    expires_at: Mapped[float] = mapped_column(Float)
-    in_progress_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    finalizing_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    completed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    failed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    expired_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    cancelling_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    cancelled_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-
-    @property
-    def ended_at(self) -> float | None:
-        return self.completed_at or self.failed_at or self.expired_at or self.cancelled_at
-
-
-class BatchRequest(Base):
-    __tablename__ = "batch_requests"
-
-    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
-    index: Mapped[int] = mapped_column(Integer, primary_key=True)
-    custom_id: Mapped[str] = mapped_column(String(512))
-    body: Mapped[dict[str, Any]] = mapped_column(JSON)
-    job_id: Mapped[str] = mapped_column(String(64), unique=True)
-    state: Mapped[str] = mapped_column(String(16))
-    sent_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class InvalidInput(ValueError):
@@ -186,143 +142,6 @@ def parse_anthropic_requests(body: dict[str, Any]) -> list[tuple[str, dict[str, 
         seen.add(custom_id)
         parsed.append((custom_id, request["params"]))
     return parsed
-
-
-def job_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request a batch line runs: never streamed."""
-    return {**body, "stream": False}
-
-
-# -- state ---------------------------------------------------------------------------------------
-
-
-class BatchStore:
-    def __init__(self, session: sessionmaker[Session]):
-        self.session = session
-
-    def create(
-        self,
-        protocol: str,
-        tenant: str,
-        endpoint: str,
-        completion_window: str = "24h",
-        input_file_id: str | None = None,
-        metadata: dict[str, str] | None = None,
-        requests: list[tuple[str, dict[str, Any]]] | None = None,
-    ) -> Batch:
-        """A new batch: validating (its input file is read by the runner), or in progress with
-        `requests` given."""
-        now = time.time()
-        prefix = "msgbatch_" if protocol == "anthropic" else "batch_"
-        batch = Batch(
-            id=f"{prefix}{uuid.uuid4().hex}",
-            protocol=protocol,
-            tenant=tenant,
-            endpoint=endpoint,
-            input_file_id=input_file_id,
-            status="validating",
-            completion_window=completion_window,
-            metadata_=metadata,
-            created_at=now,
-            expires_at=now + COMPLETION_WINDOWS[completion_window],
-        )
-        with self.session.begin() as s:
-            s.add(batch)
-            if requests is not None:
-                s.flush()
-                self._add_requests(s, batch, requests)
-        return batch
-
-    def start(self, batch_id: str, requests: list[tuple[str, dict[str, Any]]]) -> None:
-        """A validated batch's requests, pending: the batch is in progress."""
-        with self.session.begin() as s:
-            batch = s.get(Batch, batch_id, with_for_update=True)
-            if batch is not None and batch.status == "validating":
-                self._add_requests(s, batch, requests)
-
-    @staticmethod
-    def _add_requests(s: Session, batch: Batch, requests: list[tuple[str, dict[str, Any]]]) -> None:
-        rows = [
-            {"batch_id": batch.id, "index": i, "custom_id": c, "body": job_body(b), "job_id": uuid.uuid4().hex}
-            | {"state": PENDING}
-            for i, (c, b) in enumerate(requests)
-        ]
-        s.execute(BatchRequest.__table__.insert(), rows)
-        batch.status, batch.in_progress_at = "in_progress", time.time()
-
-    def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
-        with self.session.begin() as s:
-            batch = s.get(Batch, batch_id, with_for_update=True)
-            if batch is not None and batch.status == "validating":
-                batch.status, batch.failed_at, batch.errors = "failed", time.time(), errors
-
-    def get(self, tenant: str, batch_id: str, protocol: str) -> Batch | None:
-        with self.session() as s:
-            return _owned(s.get(Batch, batch_id), tenant, protocol)
-
-    def list(self, tenant: str, protocol: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        """A page of the tenant's batches, newest first, after the batch `after`; and whether more follow."""
-        with self.session() as s:
-            query = select(Batch).where(Batch.tenant == tenant, Batch.protocol == protocol)
-            if after and (cursor := s.get(Batch, after)) is not None:
-                query = query.where(Batch.created_at < cursor.created_at)
-            rows = list(s.scalars(query.order_by(Batch.created_at.desc()).limit(limit + 1)))
-        return rows[:limit], len(rows) > limit
-
-    def cancel(self, tenant: str, batch_id: str, protocol: str) -> Batch | None:
-        """Ask a batch to stop: cancelling (the runner cancels what runs and ends it). One that
-        has ended stays as it is."""
-        with self.session.begin() as s:
-            batch = _owned(s.get(Batch, batch_id, with_for_update=True), tenant, protocol)
-            if batch is None:
-                return None
-            if batch.status in ("validating", "in_progress"):
-                batch.status, batch.cancelling_at = "cancelling", time.time()
-            return batch
-
-    def delete(self, tenant: str, batch_id: str, protocol: str) -> Batch | None:
-        with self.session.begin() as s:
-            batch = _owned(s.get(Batch, batch_id), tenant, protocol)
-            if batch is not None and batch.status in ENDED:
-                s.delete(batch)  # its requests go with it (ON DELETE CASCADE)
-            return batch
-
-    def counts(self, batch_id: str) -> dict[str, int]:
-        """How many of the batch's requests are in each state."""
-        with self.session() as s:
-            query = (
-                select(BatchRequest.state, func.count())
-                .where(BatchRequest.batch_id == batch_id)
-                .group_by(BatchRequest.state)
-            )
-            return {state: count for state, count in s.execute(query)}
-
-    def results(self, batch_id: str, chunk: int = 500) -> Iterator[tuple[BatchRequest, Job | None]]:
-        """Every request that has ended, with its job, in the order of the batch."""
-        last = -1
-        while True:
-            with self.session() as s:
-                query = (
-                    select(BatchRequest, Job)
-                    .outerjoin(Job, Job.id == BatchRequest.job_id)
-                    .where(
-                        BatchRequest.batch_id == batch_id,
-                        BatchRequest.index > last,
-                        BatchRequest.state.in_((SUCCEEDED, ERRORED, CANCELED, EXPIRED)),
-                    )
-                    .order_by(BatchRequest.index)
-                    .limit(chunk)
-                )
-                rows = s.execute(query).all()
-            yield from rows
-            if len(rows) < chunk:
-                return
-            last = rows[-1][0].index
-
-
-def _owned(batch: Batch | None, tenant: str, protocol: str) -> Batch | None:
-    """The batch, if it is this tenant's and of this protocol (another's is as good as none)."""
-    return batch if batch is not None and batch.tenant == tenant and batch.protocol == protocol else None
 
 
 # -- how each protocol shows a batch and its results ---------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.batch_runner import BatchRunner
-from gateway.batches import BatchStore
+from gateway.batch_store import BatchStore
 from gateway.files import FileStore
 from gateway.jobs import JobStore
 from tests.infra import fresh_database

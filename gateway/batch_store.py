@@ -1,0 +1,203 @@
+"""Batch state: the `batches` table and one `batch_requests` row per request, and their queries.
+
+A request runs as an async job (gateway/jobs.py) whose id its row holds, so its result is
+recorded the way every async job's is, whichever gateway replica reads it. How a batch's input
+is read and how each protocol shows a batch is gateway/batches.py; moving batches through their
+lifecycle, gateway/batch_runner.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, func, select
+from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
+
+from gateway.jobs import Base, Job
+
+COMPLETION_WINDOWS = {"24h": 86400.0}
+
+# a request's state: pending (not sent yet), sending (its job exists; being produced), sent (its
+# job runs), then one of the final ones
+PENDING, SENDING, SENT = "pending", "sending", "sent"
+SUCCEEDED, ERRORED, CANCELED, EXPIRED = "succeeded", "errored", "canceled", "expired"
+ENDED = ("completed", "failed", "expired", "cancelled")  # batch statuses after which nothing runs
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    protocol: Mapped[str] = mapped_column(String(16))  # openai | anthropic
+    tenant: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    input_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    completion_window: Mapped[str] = mapped_column(String(8))
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    usage: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)
+    in_progress_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finalizing_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    completed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    failed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    expired_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cancelling_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cancelled_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    @property
+    def ended_at(self) -> float | None:
+        return self.completed_at or self.failed_at or self.expired_at or self.cancelled_at
+
+
+class BatchRequest(Base):
+    __tablename__ = "batch_requests"
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    job_id: Mapped[str] = mapped_column(String(64), unique=True)
+    state: Mapped[str] = mapped_column(String(16))
+    sent_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+def job_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request a batch line runs: never streamed."""
+    return {**body, "stream": False}
+
+
+class BatchStore:
+    def __init__(self, session: sessionmaker[Session]):
+        self.session = session
+
+    def create(
+        self,
+        protocol: str,
+        tenant: str,
+        endpoint: str,
+        completion_window: str = "24h",
+        input_file_id: str | None = None,
+        metadata: dict[str, str] | None = None,
+        requests: list[tuple[str, dict[str, Any]]] | None = None,
+    ) -> Batch:
+        """A new batch: validating (its input file is read by the runner), or in progress with
+        `requests` given."""
+        now = time.time()
+        prefix = "msgbatch_" if protocol == "anthropic" else "batch_"
+        batch = Batch(
+            id=f"{prefix}{uuid.uuid4().hex}",
+            protocol=protocol,
+            tenant=tenant,
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            status="validating",
+            completion_window=completion_window,
+            metadata_=metadata,
+            created_at=now,
+            expires_at=now + COMPLETION_WINDOWS[completion_window],
+        )
+        with self.session.begin() as s:
+            s.add(batch)
+            if requests is not None:
+                s.flush()
+                self._add_requests(s, batch, requests)
+        return batch
+
+    def start(self, batch_id: str, requests: list[tuple[str, dict[str, Any]]]) -> None:
+        """A validated batch's requests, pending: the batch is in progress."""
+        with self.session.begin() as s:
+            batch = s.get(Batch, batch_id, with_for_update=True)
+            if batch is not None and batch.status == "validating":
+                self._add_requests(s, batch, requests)
+
+    @staticmethod
+    def _add_requests(s: Session, batch: Batch, requests: list[tuple[str, dict[str, Any]]]) -> None:
+        rows = [
+            {"batch_id": batch.id, "index": i, "custom_id": c, "body": job_body(b), "job_id": uuid.uuid4().hex}
+            | {"state": PENDING}
+            for i, (c, b) in enumerate(requests)
+        ]
+        s.execute(BatchRequest.__table__.insert(), rows)
+        batch.status, batch.in_progress_at = "in_progress", time.time()
+
+    def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        with self.session.begin() as s:
+            batch = s.get(Batch, batch_id, with_for_update=True)
+            if batch is not None and batch.status == "validating":
+                batch.status, batch.failed_at, batch.errors = "failed", time.time(), errors
+
+    def get(self, tenant: str, batch_id: str, protocol: str) -> Batch | None:
+        with self.session() as s:
+            return _owned(s.get(Batch, batch_id), tenant, protocol)
+
+    def list(self, tenant: str, protocol: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
+        """A page of the tenant's batches, newest first, after the batch `after`; and whether more follow."""
+        with self.session() as s:
+            query = select(Batch).where(Batch.tenant == tenant, Batch.protocol == protocol)
+            if after and (cursor := s.get(Batch, after)) is not None:
+                query = query.where(Batch.created_at < cursor.created_at)
+            rows = list(s.scalars(query.order_by(Batch.created_at.desc()).limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+
+    def cancel(self, tenant: str, batch_id: str, protocol: str) -> Batch | None:
+        """Ask a batch to stop: cancelling (the runner cancels what runs and ends it). One that
+        has ended stays as it is."""
+        with self.session.begin() as s:
+            batch = _owned(s.get(Batch, batch_id, with_for_update=True), tenant, protocol)
+            if batch is None:
+                return None
+            if batch.status in ("validating", "in_progress"):
+                batch.status, batch.cancelling_at = "cancelling", time.time()
+            return batch
+
+    def delete(self, tenant: str, batch_id: str, protocol: str) -> Batch | None:
+        with self.session.begin() as s:
+            batch = _owned(s.get(Batch, batch_id), tenant, protocol)
+            if batch is not None and batch.status in ENDED:
+                s.delete(batch)  # its requests go with it (ON DELETE CASCADE)
+            return batch
+
+    def counts(self, batch_id: str) -> dict[str, int]:
+        """How many of the batch's requests are in each state."""
+        with self.session() as s:
+            query = (
+                select(BatchRequest.state, func.count())
+                .where(BatchRequest.batch_id == batch_id)
+                .group_by(BatchRequest.state)
+            )
+            return {state: count for state, count in s.execute(query)}
+
+    def results(self, batch_id: str, chunk: int = 500) -> Iterator[tuple[BatchRequest, Job | None]]:
+        """Every request that has ended, with its job, in the order of the batch."""
+        last = -1
+        while True:
+            with self.session() as s:
+                query = (
+                    select(BatchRequest, Job)
+                    .outerjoin(Job, Job.id == BatchRequest.job_id)
+                    .where(
+                        BatchRequest.batch_id == batch_id,
+                        BatchRequest.index > last,
+                        BatchRequest.state.in_((SUCCEEDED, ERRORED, CANCELED, EXPIRED)),
+                    )
+                    .order_by(BatchRequest.index)
+                    .limit(chunk)
+                )
+                rows = s.execute(query).all()
+            yield from rows
+            if len(rows) < chunk:
+                return
+            last = rows[-1][0].index
+
+
+def _owned(batch: Batch | None, tenant: str, protocol: str) -> Batch | None:
+    """The batch, if it is this tenant's and of this protocol (another's is as good as none)."""
+    return batch if batch is not None and batch.tenant == tenant and batch.protocol == protocol else None
