@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
+import re
 
-from common.api import MAX_BODY_BYTES, BadRequest, error_body
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from common.api import MAX_BODY_BYTES, BadRequest, error_body, parse_object
+
+JSON_MEDIA_TYPE = re.compile(r"application/(.+\+)?json", re.IGNORECASE)
 
 
 class Refused(Exception):
@@ -32,3 +36,19 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
 def protocol_error(endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An error in the endpoint's own format: OpenAI's for chat and responses, Anthropic's for messages."""
     return JSONResponse(error_body(endpoint, message, kind), status_code=status)
+
+
+def endpoint_of(request: Request) -> str:
+    """Whose error shape a call gets: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    return "messages" if request.url.path.startswith("/v1/messages") else "chat.completions"
+
+
+async def read_object(endpoint: str, request: Request) -> dict | Response:
+    """The JSON object in the request, or the protocol's error response (common/api.py)."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip()
+    if not JSON_MEDIA_TYPE.fullmatch(media_type):
+        return protocol_error(endpoint, 415, f"Content-Type must be application/json, not {media_type!r}")
+    try:
+        return parse_object(await read_body(request))
+    except BadRequest as err:
+        return protocol_error(endpoint, err.status, str(err))

@@ -1,0 +1,1 @@
+"""The gateway's HTTP surfaces, one router each; gateway/app.py includes them all."""
