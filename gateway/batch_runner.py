@@ -2,9 +2,10 @@
 
 `BatchRunner.advance` does one round of every step and may run anywhere that reaches the
 database, the files directory and the bus; every step is idempotent and reads its state from
-the database, so a runner that dies mid-round loses nothing: the next round (in a new process)
-carries on. Distributed, Celery beat schedules the round on the stack's Redis and a Celery
-worker runs it (gateway/batch_tasks.py); embedded, a thread of the serving process does.
+the database (its queries are in gateway/batch_store.py), so a runner that dies mid-round
+loses nothing: the next round (in a new process) carries on. Distributed, Celery beat
+schedules the round on the stack's Redis and a Celery worker runs it (gateway/batch_tasks.py);
+embedded, a thread of the serving process does.
 
 Batch work is sent at `priority="batch"`, and only as much of it at once as `in_flight` allows,
 shared fairly: the next request sent is always from the tenant with the fewest requests in
@@ -21,17 +22,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import func, select, update
-
 from common.api import error_body
 from gateway.batch_store import (
     CANCELED,
-    ERRORED,
     EXPIRED,
     PENDING,
     SENDING,
     SENT,
-    SUCCEEDED,
     Batch,
     BatchRequest,
     BatchStore,
@@ -45,13 +42,12 @@ from gateway.batches import (
     usage_of,
 )
 from gateway.files import FileStore
-from gateway.jobs import FINAL, Job, JobStore
+from gateway.jobs import Job, JobStore
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[str, str, dict[str, Any], dict[str, Any]], None]  # job id, endpoint, body, options
 Cancel = Callable[[str], None]  # job id
-RUNNING = ("in_progress", "cancelling")
 RESEND_AFTER_SECONDS = 30.0  # a request left `sending` this long was not produced (its runner died)
 
 
@@ -70,7 +66,6 @@ class BatchRunner:
         embedded mode's in-process bus loses what was in it when the process stopped)."""
         self.jobs, self.files, self.send, self.cancel = jobs, files, send, cancel
         self.batches = BatchStore(jobs.session)
-        self.session = jobs.session
         self.in_flight = in_flight
         self.resend_sent = resend_sent
         self.resend_after = resend_after
@@ -92,9 +87,7 @@ class BatchRunner:
     # -- steps -----------------------------------------------------------------------------------
 
     def _validate(self) -> None:
-        with self.session() as s:
-            waiting = list(s.scalars(select(Batch).where(Batch.status == "validating")))
-        for batch in waiting:
+        for batch in self.batches.validating():
             path = self.files.path(batch.input_file_id or "")
             try:
                 if not path.is_file():
@@ -106,88 +99,28 @@ class BatchRunner:
             self.batches.start(batch.id, requests)
 
     def _follow(self) -> None:
-        """Requests whose jobs ended take the job's outcome (a job cancelled because its batch
-        expired: expired). `sending` ones too: a runner killed after producing a request but
-        before marking it sent leaves it `sending` while its job runs to the end."""
-        with self.session.begin() as s:
-            query = (
-                select(BatchRequest, Job.status, Batch.expired_at)
-                .join(Job, Job.id == BatchRequest.job_id)
-                .join(Batch, Batch.id == BatchRequest.batch_id)
-                .where(BatchRequest.state.in_((SENDING, SENT)), Job.status.in_(FINAL))
-            )
-            for request, status, expired_at in s.execute(query).all():
-                stopped = EXPIRED if expired_at is not None else CANCELED
-                request.state = {"succeeded": SUCCEEDED, "failed": ERRORED}.get(status, stopped)
+        """Requests whose jobs ended take the job's outcome."""
+        self.batches.take_job_outcomes()
 
     def _stop(self) -> None:
         """Cancelled batches and those past their window: nothing more is sent, and their jobs
         that run are cancelled. What has finished stays in the results."""
-        now = time.time()
-        with self.session.begin() as s:
-            query = select(Batch).where(
-                Batch.status.in_(RUNNING), (Batch.status == "cancelling") | (Batch.expires_at <= now)
-            )
-            stopping = list(s.scalars(query.with_for_update()))
-            for batch in stopping:
-                if batch.status != "cancelling" and batch.expired_at is None:
-                    batch.expired_at = now
-        for batch in stopping:
+        for batch in self.batches.stopping(time.time()):
             outcome = CANCELED if batch.status == "cancelling" else EXPIRED
-            with self.session.begin() as s:
-                s.execute(
-                    update(BatchRequest)
-                    .where(BatchRequest.batch_id == batch.id, BatchRequest.state == PENDING)
-                    .values(state=outcome)
-                )
-                running = list(
-                    s.scalars(
-                        select(BatchRequest.job_id).where(
-                            BatchRequest.batch_id == batch.id, BatchRequest.state.in_((SENDING, SENT))
-                        )
-                    )
-                )
-            for job_id in running:
+            for job_id in self.batches.end_pending(batch.id, outcome):
                 job = self.jobs.cancel(job_id)
                 if job is not None and job.status == "cancelled":
                     self.cancel(job_id)
             self._follow()  # the ones that finished first keep their outcome
-            with self.session.begin() as s:
-                s.execute(
-                    update(BatchRequest)
-                    .where(BatchRequest.batch_id == batch.id, BatchRequest.state.in_((SENDING, SENT)))
-                    .values(state=outcome)
-                )
+            self.batches.end_running(batch.id, outcome)
 
     def _send_more(self) -> None:
-        """Fill the free places: reads the counts in flight and, per batch, only as many of its
-        next pending requests as there are places (not a 50,000-request batch every round)."""
-        with self.session() as s:
-            active = {b.id: b for b in s.scalars(select(Batch).where(Batch.status == "in_progress"))}
-            if not active:
-                return
-            in_flight = Counter(
-                dict(
-                    s.execute(
-                        select(BatchRequest.batch_id, func.count())
-                        .where(BatchRequest.batch_id.in_(active), BatchRequest.state.in_((SENDING, SENT)))
-                        .group_by(BatchRequest.batch_id)
-                    ).all()
-                )
-            )
-            free = self.in_flight - sum(in_flight.values())
-            if free <= 0:
-                return
-            pending: dict[str, list[int]] = {}
-            for batch_id in active:
-                query = (
-                    select(BatchRequest.index)
-                    .where(BatchRequest.batch_id == batch_id, BatchRequest.state == PENDING)
-                    .order_by(BatchRequest.index)
-                    .limit(free)
-                )
-                if indexes := list(s.scalars(query)):
-                    pending[batch_id] = indexes
+        """Fill the free places: the next request sent is from the tenant with the fewest
+        requests in flight, then from that tenant's batch with the fewest."""
+        active, in_flight, pending = self.batches.sendable(self.in_flight)
+        free = self.in_flight - sum(in_flight.values())
+        if not active or free <= 0:
+            return
         by_tenant = Counter()
         for batch_id, count in in_flight.items():
             by_tenant[active[batch_id].tenant] += count
@@ -207,21 +140,7 @@ class BatchRunner:
         """Create each request's job, mark it sending, then produce it and mark it sent: a job
         exists before any result for it can arrive, and one whose producing was cut short is
         sent again (RESEND_AFTER_SECONDS)."""
-        now = time.time()
-        requests: list[BatchRequest] = []
-        with self.session.begin() as s:
-            for batch_id, index in chosen:
-                request = s.get(BatchRequest, (batch_id, index), with_for_update=True)
-                if request is None or request.state != PENDING:
-                    continue  # another runner took it
-                batch = batches[batch_id]
-                if (problem := problem_of(batch.endpoint, request.body)) is not None:
-                    s.add(_failed_job(request, batch.endpoint, problem))
-                    request.state = SENT  # _follow gives it the job's outcome
-                    continue
-                s.add(Job.queued(request.job_id, batch.endpoint, request.body))
-                request.state, request.sent_at = SENDING, now
-                requests.append(request)
+        requests = self.batches.claim(chosen, batches, _refused, time.time())
         self._produce(requests, batches)
 
     def _produce(self, requests: list[BatchRequest], batches: dict[str, Batch]) -> None:
@@ -233,53 +152,28 @@ class BatchRunner:
                 self.send(request.job_id, batch.endpoint, request.body, options)
                 sent.append((request.batch_id, request.index))
         finally:  # what was produced is sent, even when the broker refused the rest
-            with self.session.begin() as s:
-                for key in sent:
-                    request = s.get(BatchRequest, key)
-                    if request is not None and request.state == SENDING:
-                        request.state = SENT
+            self.batches.mark_sent(sent)
 
     def _resend(self, state: str, older_than: float) -> None:
-        with self.session() as s:
-            query = (
-                select(BatchRequest)
-                .join(Job, Job.id == BatchRequest.job_id)
-                .where(BatchRequest.state == state, BatchRequest.sent_at < older_than, Job.status.not_in(FINAL))
-            )
-            requests = list(s.scalars(query))
-            batches = {b.id: b for b in s.scalars(select(Batch).where(Batch.id.in_({r.batch_id for r in requests})))}
+        requests, batches = self.batches.unfinished(state, older_than)
         if requests:
             log.warning("sending %d batch requests again", len(requests))
-            with self.session.begin() as s:
-                for request in requests:
-                    s.get(BatchRequest, (request.batch_id, request.index)).state = SENDING
+            self.batches.mark_sending(requests)
             self._produce(requests, batches)
 
     def _finalise(self) -> None:
         """Batches with nothing left to run: write OpenAI's output and error files, add up the
         usage, and end them completed, cancelled or expired."""
-        with self.session() as s:
-            candidates = list(s.scalars(select(Batch).where(Batch.status.in_(RUNNING))))
-        for batch in candidates:
+        for batch in self.batches.running():
             counts = self.batches.counts(batch.id)
             if counts.get(PENDING) or counts.get(SENDING) or counts.get(SENT):
                 continue
-            with self.session.begin() as s:
-                s.get(Batch, batch.id).finalizing_at = time.time()
+            self.batches.finalizing(batch.id, time.time())
             output_id = error_id = None
             usage = None
             if batch.protocol == "openai":  # Anthropic's results are read from the requests themselves
                 output_id, error_id, usage = self._write_files(batch)
-            with self.session.begin() as s:
-                ended = s.get(Batch, batch.id, with_for_update=True)
-                now = time.time()
-                ended.output_file_id, ended.error_file_id, ended.usage = output_id, error_id, usage
-                if ended.status == "cancelling":
-                    ended.status, ended.cancelled_at = "cancelled", now
-                elif ended.expired_at is not None:
-                    ended.status = "expired"
-                else:
-                    ended.status, ended.completed_at = "completed", now
+            self.batches.end(batch.id, output_id, error_id, usage)
 
     def _write_files(self, batch: Batch) -> tuple[str | None, str | None, dict[str, Any]]:
         output: list[bytes] = []
@@ -295,6 +189,12 @@ class BatchRunner:
             self.files.write(batch.tenant, "batch_output", f"{batch.id}_error.jsonl", errors).id if errors else None
         )
         return output_id, error_id, usage_of(batch.endpoint, answered)
+
+
+def _refused(request: BatchRequest, endpoint: str) -> Job | None:
+    """The job of a request the protocol refuses before it is sent, already failed; None for one that can run."""
+    problem = problem_of(endpoint, request.body)
+    return _failed_job(request, endpoint, problem) if problem is not None else None
 
 
 def _failed_job(request: BatchRequest, endpoint: str, problem: str) -> Job:

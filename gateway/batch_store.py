@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Integer, String, func, select
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, func, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
-from gateway.jobs import Base, Job
+from gateway.jobs import FINAL, Base, Job
 
 COMPLETION_WINDOWS = {"24h": 86400.0}
 
@@ -25,6 +26,7 @@ COMPLETION_WINDOWS = {"24h": 86400.0}
 PENDING, SENDING, SENT = "pending", "sending", "sent"
 SUCCEEDED, ERRORED, CANCELED, EXPIRED = "succeeded", "errored", "canceled", "expired"
 ENDED = ("completed", "failed", "expired", "cancelled")  # batch statuses after which nothing runs
+RUNNING = ("in_progress", "cancelling")  # batch statuses whose requests may still run
 
 
 class Batch(Base):
@@ -196,6 +198,171 @@ class BatchStore:
             if len(rows) < chunk:
                 return
             last = rows[-1][0].index
+
+    # -- the batch runner's queries (gateway/batch_runner.py) --------------------------------------
+
+    def validating(self) -> list[Batch]:
+        """The batches whose input file is still to be read."""
+        with self.session() as s:
+            return list(s.scalars(select(Batch).where(Batch.status == "validating")))
+
+    def running(self) -> list[Batch]:
+        with self.session() as s:
+            return list(s.scalars(select(Batch).where(Batch.status.in_(RUNNING))))
+
+    def take_job_outcomes(self) -> None:
+        """Requests whose jobs ended take the job's outcome (a job cancelled because its batch
+        expired: expired). `sending` ones too: a runner killed after producing a request but
+        before marking it sent leaves it `sending` while its job runs to the end."""
+        with self.session.begin() as s:
+            query = (
+                select(BatchRequest, Job.status, Batch.expired_at)
+                .join(Job, Job.id == BatchRequest.job_id)
+                .join(Batch, Batch.id == BatchRequest.batch_id)
+                .where(BatchRequest.state.in_((SENDING, SENT)), Job.status.in_(FINAL))
+            )
+            for request, status, expired_at in s.execute(query).all():
+                stopped = EXPIRED if expired_at is not None else CANCELED
+                request.state = {"succeeded": SUCCEEDED, "failed": ERRORED}.get(status, stopped)
+
+    def stopping(self, now: float) -> list[Batch]:
+        """The running batches that are cancelled or past their window; one past its window is
+        marked expired (at `now`) if it was not yet."""
+        with self.session.begin() as s:
+            query = select(Batch).where(
+                Batch.status.in_(RUNNING), (Batch.status == "cancelling") | (Batch.expires_at <= now)
+            )
+            stopping = list(s.scalars(query.with_for_update()))
+            for batch in stopping:
+                if batch.status != "cancelling" and batch.expired_at is None:
+                    batch.expired_at = now
+        return stopping
+
+    def end_pending(self, batch_id: str, outcome: str) -> list[str]:
+        """The batch's pending requests end with `outcome`; the job ids of those sending or sent."""
+        with self.session.begin() as s:
+            s.execute(
+                update(BatchRequest)
+                .where(BatchRequest.batch_id == batch_id, BatchRequest.state == PENDING)
+                .values(state=outcome)
+            )
+            return list(
+                s.scalars(
+                    select(BatchRequest.job_id).where(
+                        BatchRequest.batch_id == batch_id, BatchRequest.state.in_((SENDING, SENT))
+                    )
+                )
+            )
+
+    def end_running(self, batch_id: str, outcome: str) -> None:
+        """The batch's requests still sending or sent end with `outcome`."""
+        with self.session.begin() as s:
+            s.execute(
+                update(BatchRequest)
+                .where(BatchRequest.batch_id == batch_id, BatchRequest.state.in_((SENDING, SENT)))
+                .values(state=outcome)
+            )
+
+    def sendable(self, in_flight_limit: int) -> tuple[dict[str, Batch], Counter[str], dict[str, list[int]]]:
+        """The batches in progress, how many requests of each are in flight (sending or sent),
+        and per batch the indexes of its next pending requests: as many as there are free places
+        under `in_flight_limit` (not a 50,000-request batch every round), none without one."""
+        with self.session() as s:
+            active = {b.id: b for b in s.scalars(select(Batch).where(Batch.status == "in_progress"))}
+            if not active:
+                return active, Counter(), {}
+            in_flight = Counter(
+                dict(
+                    s.execute(
+                        select(BatchRequest.batch_id, func.count())
+                        .where(BatchRequest.batch_id.in_(active), BatchRequest.state.in_((SENDING, SENT)))
+                        .group_by(BatchRequest.batch_id)
+                    ).all()
+                )
+            )
+            free = in_flight_limit - sum(in_flight.values())
+            pending: dict[str, list[int]] = {}
+            if free <= 0:
+                return active, in_flight, pending
+            for batch_id in active:
+                query = (
+                    select(BatchRequest.index)
+                    .where(BatchRequest.batch_id == batch_id, BatchRequest.state == PENDING)
+                    .order_by(BatchRequest.index)
+                    .limit(free)
+                )
+                if indexes := list(s.scalars(query)):
+                    pending[batch_id] = indexes
+        return active, in_flight, pending
+
+    def claim(
+        self,
+        chosen: list[tuple[str, int]],
+        batches: dict[str, Batch],
+        refused: Callable[[BatchRequest, str], Job | None],
+        now: float,
+    ) -> list[BatchRequest]:
+        """Each chosen request (batch id, index) still pending gets its job and is marked
+        sending, in one transaction under row locks (another runner skips it); one `refused`
+        answers with a job (already failed) is marked sent instead, and `take_job_outcomes`
+        gives it that job's outcome. The requests to produce."""
+        requests: list[BatchRequest] = []
+        with self.session.begin() as s:
+            for batch_id, index in chosen:
+                request = s.get(BatchRequest, (batch_id, index), with_for_update=True)
+                if request is None or request.state != PENDING:
+                    continue  # another runner took it
+                batch = batches[batch_id]
+                if (failed := refused(request, batch.endpoint)) is not None:
+                    s.add(failed)
+                    request.state = SENT
+                    continue
+                s.add(Job.queued(request.job_id, batch.endpoint, request.body))
+                request.state, request.sent_at = SENDING, now
+                requests.append(request)
+        return requests
+
+    def mark_sent(self, keys: list[tuple[str, int]]) -> None:
+        """The requests (batch id, index) produced are sent, unless another state was given them meanwhile."""
+        with self.session.begin() as s:
+            for key in keys:
+                request = s.get(BatchRequest, key)
+                if request is not None and request.state == SENDING:
+                    request.state = SENT
+
+    def unfinished(self, state: str, older_than: float) -> tuple[list[BatchRequest], dict[str, Batch]]:
+        """The requests in `state` since before `older_than` whose jobs have not ended, and their batches."""
+        with self.session() as s:
+            query = (
+                select(BatchRequest)
+                .join(Job, Job.id == BatchRequest.job_id)
+                .where(BatchRequest.state == state, BatchRequest.sent_at < older_than, Job.status.not_in(FINAL))
+            )
+            requests = list(s.scalars(query))
+            batches = {b.id: b for b in s.scalars(select(Batch).where(Batch.id.in_({r.batch_id for r in requests})))}
+        return requests, batches
+
+    def mark_sending(self, requests: list[BatchRequest]) -> None:
+        with self.session.begin() as s:
+            for request in requests:
+                s.get(BatchRequest, (request.batch_id, request.index)).state = SENDING
+
+    def finalizing(self, batch_id: str, now: float) -> None:
+        with self.session.begin() as s:
+            s.get(Batch, batch_id).finalizing_at = now
+
+    def end(self, batch_id: str, output_id: str | None, error_id: str | None, usage: dict[str, Any] | None) -> None:
+        """A batch with nothing left to run ends: cancelled, expired or completed, with its files and usage."""
+        with self.session.begin() as s:
+            ended = s.get(Batch, batch_id, with_for_update=True)
+            now = time.time()
+            ended.output_file_id, ended.error_file_id, ended.usage = output_id, error_id, usage
+            if ended.status == "cancelling":
+                ended.status, ended.cancelled_at = "cancelled", now
+            elif ended.expired_at is not None:
+                ended.status = "expired"
+            else:
+                ended.status, ended.completed_at = "completed", now
 
 
 def _owned(batch: Batch | None, tenant: str, protocol: str) -> Batch | None:
