@@ -113,7 +113,9 @@ class TorchBackend:
         than the loop at batch 1 to 128 here, though it reads an expert's weights once per pick.
         Eager, the weights' copies past one pick per expert cost more than the loop (0.54x at batch 32)."""
         top_k, n_experts = indices.shape[1], gate_up.shape[0]
-        picks_per_expert = PICKS_PER_EXPERT if torch.compiler.is_compiling() else 1
+        # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag, held for a whole compile,
+        # so an eager step running while decode graphs compile on another thread would read it too
+        picks_per_expert = PICKS_PER_EXPERT if torch.compiler.is_dynamo_compiling() else 1
         if x.device.type == "cpu" and indices.numel() <= picks_per_expert * n_experts:
             return _experts_per_pick(x, indices, weights, gate_up, down, limit)
         flat = indices.flatten()
