@@ -1,6 +1,6 @@
 """Prefill eager against prefill compiled, on one sequence's chunk, in one process.
 
-The engine's prefill stays eager (README: The compiled decode step). This measures what a
+The engine's prefill stays eager (docs/engine.md: The compiled decode step). This measures what a
 compiled prefill could gain at most: torch.compile (Inductor) of the model's forward for one
 exact chunk (one sequence, one start, one length), called again on the same chunk, against the
 eager forward on the same chunk. A served prefill would need a graph per chunk length and

@@ -188,7 +188,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if not args.no_compile:
         compiled = LLMEngine(eager.model, weights=eager.weights, compile_decode=True, **options)
-        if compiled.compiled_decode is not None:
+        if compiled.wait_compiled():  # steady state: every bucket's graph, compiled or loaded from the cache
             graphs = compiled.compiled_decode
             print(f"decode graphs for batches {graphs.buckets} ready in {graphs.warm_up_seconds:.1f} s")
             engines["compiled"] = compiled

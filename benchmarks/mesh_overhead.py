@@ -131,11 +131,13 @@ def measure(
     thread that runs PyTorch, here and in the engine rounds), tokenizer and HTTP on others."""
     max_tokens = bodies[0]["max_tokens"]
     engine = LLMEngine.from_pretrained(model, compile_decode=compile_decode)
+    engine.wait_compiled()  # steady state: the mesh's decode engine waits the same way, below
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     bus = MemoryBus()
     settings = Settings(database_url=f"sqlite:///{workdir}/cache.db", cache_dir=str(workdir / "kv"))
     store = StateStore.from_settings(settings)
     mesh = Mesh(model, bus, store, served_model=MODEL_NAME, compile_decode=compile_decode)
+    mesh.decode.engine.wait_compiled()
     mesh.start([mesh.tokenizer])
     jobs = JobStore(f"sqlite:///{workdir}/jobs.db")
     with socket.socket() as probe:

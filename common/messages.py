@@ -86,7 +86,7 @@ def payload_of(envelope: Envelope, model: type[BaseModel]):
         raise BadMessage(f"bad {envelope.type} payload: {problems}") from err
 
 
-# -- payloads, one per topic (see README "Topics and messages") --------------------------------
+# -- payloads, one per topic (see docs/architecture.md, "Topics and messages") --------------------------------
 
 Endpoint = Literal["chat.completions", "responses", "messages", "completions"]
 RetentionClass = Literal["agent", "chat"]

@@ -37,6 +37,12 @@ ENGINE_STEP_SECONDS = Histogram("deepmesh_engine_step_seconds", "Engine step tim
 PROMPT_TOKENS = Counter("deepmesh_prompt_tokens", "Prompt tokens prefilled", ["service"])
 GENERATED_TOKENS = Counter("deepmesh_generated_tokens", "Tokens sampled", ["service"])
 RUNNING_JOBS = Gauge("deepmesh_running_jobs", "Jobs held by a worker", ["service"])
+DECODE_GRAPHS = Gauge(
+    "deepmesh_decode_graphs",
+    "Compiled decode graphs, one per batch-size bucket: planned, and ready (that bucket's steps run "
+    "compiled; the others run eager while the rest compile in the background)",
+    ["service", "state"],
+)
 STATE_HANDOFFS = Counter(
     "deepmesh_state_handoffs", "Decode starts, by how the state arrived (loaded or recomputed)", ["outcome"]
 )

@@ -70,6 +70,9 @@ class DecodeWorker(EngineWorker):
         self.cancelled = EarlyCancels()
         self.loaded = self.recomputed = 0
         self.step_seconds = 0.0  # measured, for the load reports
+        for index, state in enumerate(("ready", "planned")):
+            graphs = metrics.DECODE_GRAPHS.labels(self.group, state)
+            graphs.set_function(lambda index=index: engine.compile_progress()[index])
 
     @property
     def busy(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -187,12 +188,15 @@ def _compile_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _compile_decode(args: argparse.Namespace, settings) -> bool:
-    """Whether decode steps run compiled; when they do, says on stderr why the start may take minutes."""
+    """Whether decode steps run compiled; when they do, says on stderr what happens meanwhile and
+    lets the compiler's one line per graph through whatever the log level."""
     compile_decode = settings.compile_decode if args.compile is None else args.compile
     if compile_decode:
+        logging.getLogger("engine.compiled_decode").setLevel(logging.INFO)
         print(
-            "compiling the decode step, one graph per batch size (about 40 s each on two cores the first "
-            "time; later starts load them from .cache/torchinductor; --no-compile: none)",
+            "compiling the decode step in the background, one graph per batch size (about 40 s each on two "
+            "cores the first time; later starts load them from .cache/torchinductor in seconds); requests are "
+            "answered meanwhile, eager; --no-compile: no graphs",
             file=sys.stderr,
         )
     return compile_decode
@@ -272,7 +276,9 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     try:
-        mesh.run_engines(until=http_done)  # on this thread, which loaded the model: the only one running PyTorch
+        # on this thread, which loaded the model: the only one stepping the engines (the decode graphs
+        # compile on a thread of their own)
+        mesh.run_engines(until=http_done)
     finally:
         server.should_exit = True
         http.join(timeout=settings.drain_seconds + 5)

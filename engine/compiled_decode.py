@@ -9,17 +9,24 @@ cache's scratch slot and scratch block, so they touch no sequence's state. The b
 width is a dynamic dimension (padded to a minimum: `min_width`), so one graph per bucket
 serves every sequence length.
 
-Inductor keeps what it compiled on disk (TORCHINDUCTOR_CACHE_DIR, .cache/torchinductor unless
-set: engine/__init__.py): a later start with the same model shape, torch and model code loads
-the graphs instead of compiling them. `warm_up` compiles every bucket before the first request.
+Compiling takes about 40 s a bucket on two cores, so it happens behind the engine, not before
+it: `start` compiles the buckets on a thread of their own, smallest first, while the engine
+decodes eager; each bucket's steps switch to its graph once it has run (`is_ready`). Both paths
+compute the same tokens (tests/test_compiled_decode.py), so a request that crosses the switch
+reads as if it had run on either. Inductor keeps what it compiled on disk (TORCHINDUCTOR_CACHE_DIR,
+.cache/torchinductor unless set: engine/__init__.py): a later start with the same model shape,
+torch and model code loads the graphs instead of compiling them, in seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -110,10 +117,48 @@ def compiler_available() -> str | None:
     return None
 
 
-class CompiledDecode:
-    """Runs decode steps through compiled graphs; the engine falls back to eager when this is None."""
+class _SwitchInterval:
+    """While graphs compile, threads hand the GIL over every 0.5 ms instead of every 5. Compiling is
+    long stretches of Python; an eager step is hundreds of short kernels, each giving the GIL up and
+    waiting to get it back: at 5 ms a wait, the engine's steps would crawl beside a compile. Counted,
+    so that engines compiling at once restore the interval only when the last one is done."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, cache: StateCache, max_batch: int):
+    def __init__(self, while_compiling: float = 0.0005):
+        self.while_compiling = while_compiling
+        self.lock = threading.Lock()
+        self.compiling = 0
+        self.previous = sys.getswitchinterval()
+
+    @contextlib.contextmanager
+    def shortened(self) -> Iterator[None]:
+        with self.lock:
+            if self.compiling == 0:
+                self.previous = sys.getswitchinterval()
+                sys.setswitchinterval(min(self.previous, self.while_compiling))
+            self.compiling += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.compiling -= 1
+                if self.compiling == 0:
+                    sys.setswitchinterval(self.previous)
+
+
+_switch_interval = _SwitchInterval()
+
+
+class CompiledDecode:
+    """Runs decode steps through compiled graphs, each bucket once its graph is ready (`is_ready`);
+    the engine runs a step eager where its bucket is not, and always where this is None."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        cache: StateCache,
+        max_batch: int,
+        on_progress: Callable[[int, int], None] | None = None,
+    ):
         self.model, self.cache = model, cache
         self.device = model.lm_head.weight.device
         self.buckets = batch_buckets(max_batch)
@@ -123,21 +168,57 @@ class CompiledDecode:
         }
         # per bucket whose graph has run once: the code to call it without Dynamo, or None (see _run)
         self._direct: dict[int, Callable[..., tuple[torch.Tensor, ...]] | None] = {}
+        self._ready: set[int] = set()  # buckets a step may run: written by the compiling thread only
+        self.on_progress = on_progress  # (buckets ready, buckets planned), after each bucket
+        self._finished = threading.Event()  # every bucket ready, or compiling gave up
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failure: str | None = None  # why compiling gave up, if it did
         self.warm_up_seconds = 0.0
+        self.steps = 0  # decode steps run through a graph
 
     @classmethod
-    def create(cls, model: DeepseekV4ForCausalLM, cache: StateCache, max_batch: int) -> CompiledDecode | None:
-        """A compiled decode step, warmed up; None (and one log line) where compiling is unavailable."""
+    def create(
+        cls,
+        model: DeepseekV4ForCausalLM,
+        cache: StateCache,
+        max_batch: int,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> CompiledDecode | None:
+        """A compiled decode step whose graphs compile in the background from now on; None (and one
+        log line) where compiling is unavailable."""
         reason = compiler_available()
-        if reason is None:
-            compiled = cls(model, cache, max_batch)
-            try:
-                compiled.warm_up()
-                return compiled
-            except Exception as error:  # a backend that cannot compile runs eager
-                reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        log.warning("decode runs eager: torch.compile is unavailable here (%s)", reason)
-        return None
+        if reason is not None:
+            log.warning("decode runs eager: torch.compile is unavailable here (%s)", reason)
+            return None
+        compiled = cls(model, cache, max_batch, on_progress)
+        compiled.start()
+        return compiled
+
+    def start(self) -> None:
+        """Compile (or load from the disk cache) every bucket's graph on a thread of its own."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._compile_all, name="compile-decode", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Compile no further bucket; the one compiling now finishes first (Inductor cannot be interrupted)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every bucket is ready (True), compiling gave up or stopped, or `timeout` (False)."""
+        self._finished.wait(timeout)
+        return self.num_ready == len(self.buckets)
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._ready)
+
+    def is_ready(self, batch: int) -> bool:
+        """Whether a step of `batch` sequences can run through its bucket's graph now."""
+        return batch <= self.buckets[-1] and self.bucket(batch) in self._ready
 
     def bucket(self, batch: int) -> int:
         return next(size for size in self.buckets if size >= batch)
@@ -149,6 +230,7 @@ class CompiledDecode:
         """One decode token per sequence: the final hidden states and what sampling reads of the logits."""
         size, rows = self.bucket(len(token_ids)), len(token_ids)
         outputs = self._run(size, *self._padded(size, token_ids, positions, slots, block_tables))
+        self.steps += 1
         return DecodeOutput(*(tensor[:rows] for tensor in outputs))
 
     def _padded(
@@ -195,14 +277,30 @@ class CompiledDecode:
         return outputs
 
     @torch.inference_mode()
-    def warm_up(self) -> float:
-        """Compile (or load from the disk cache) every bucket's graph; returns the seconds it took.
-        Only padding rows run: no sequence's state is touched."""
+    def _compile_all(self) -> None:
+        """Each bucket's first call compiles its graph: only padding rows run, which write the cache's
+        scratch slot and block alone, so no sequence's state is touched while the engine steps."""
         start = time.perf_counter()
-        for size in self.buckets:
-            bucket_start = time.perf_counter()
-            self._run(size, *self._padded(size, [], [], [], []))
-            log.info("decode graph for batch %d ready in %.1f s", size, time.perf_counter() - bucket_start)
-        self.warm_up_seconds = time.perf_counter() - start
-        log.info("%d decode graphs ready in %.1f s", len(self.buckets), self.warm_up_seconds)
-        return self.warm_up_seconds
+        try:
+            with _switch_interval.shortened():
+                for size in self.buckets:
+                    if self._stopping.is_set():
+                        return
+                    self._compile(size)
+            self.warm_up_seconds = time.perf_counter() - start
+            log.info("%d decode graphs ready in %.1f s", len(self.buckets), self.warm_up_seconds)
+        except Exception as error:  # a backend that cannot compile: its buckets stay eager
+            self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            log.warning("decode runs eager: torch.compile is unavailable here (%s)", self.failure)
+        finally:
+            self._finished.set()
+
+    def _compile(self, size: int) -> None:
+        start = time.perf_counter()
+        self._run(size, *self._padded(size, [], [], [], []))
+        self._ready.add(size)
+        planned = len(self.buckets)
+        seconds = time.perf_counter() - start
+        log.info("decode graph for batch %d ready in %.1f s (%d of %d)", size, seconds, self.num_ready, planned)
+        if self.on_progress is not None:
+            self.on_progress(self.num_ready, planned)

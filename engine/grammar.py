@@ -6,7 +6,7 @@ sampler (engine/sampler.py) asks a constrained sequence's matcher whether it all
 chosen as if free, then a few more likely ones; only when it allows none of them does the
 matcher write every token it allows, as a bitmask row (one bit per token), and the choice is
 made among those. The matcher then consumes the token. Unconstrained rows of the same batch
-are untouched. Why llguidance and not xgrammar: README, "Structured outputs".
+are untouched. Why llguidance and not xgrammar: docs/api.md, "Structured outputs".
 
 A matcher is a function of the tokens it consumed: an engine that continues a request from its
 tokens (a hand-over, a replay after a kill) feeds it the output so far, and the request goes on

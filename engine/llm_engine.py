@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ class LLMEngine:
         weights: str = "",
         grammars: GrammarCompiler | None = None,
         compile_decode: bool = False,
+        on_compile_progress: Callable[[int, int], None] | None = None,
     ):
         """`weights` names the checkpoint (loader.weights_id): part of the state layout, so that
         state is only ever shared between engines running the same weights.
@@ -54,7 +55,9 @@ class LLMEngine:
         `grammars`: compiles requests' output constraints (SamplingParams.grammar) against the
         model's tokenizer; None: a request with one is refused.
         `compile_decode`: run decode steps as compiled graphs (engine/compiled_decode.py), compiled
-        or loaded from the disk cache here, before the first request; eager where unavailable."""
+        or loaded from the disk cache on a background thread from here on: steps run eager until
+        their batch's graph is ready (`wait_compiled` blocks until all are), and always where
+        compiling is unavailable. `on_compile_progress(ready, planned)` hears of each graph ready."""
         self.model = model
         self.config: ModelConfig = model.config
         self.device = model.lm_head.weight.device
@@ -88,7 +91,24 @@ class LLMEngine:
         self.last_step_tokens = 0  # tokens the last step computed (a prefill worker measures its speed)
         self.weights = weights
         self.layout = layout_id(self.config, self.dtype, weights)
-        self.compiled_decode = CompiledDecode.create(model, self.cache, max_num_seqs) if compile_decode else None
+        self.compiled_decode = (
+            CompiledDecode.create(model, self.cache, max_num_seqs, on_compile_progress) if compile_decode else None
+        )
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until every decode graph is ready: True then, False on `timeout` or where decode does
+        not compile (not asked for, or unavailable). What measures steady-state speed calls this first."""
+        return self.compiled_decode is not None and self.compiled_decode.wait(timeout)
+
+    def compile_progress(self) -> tuple[int, int]:
+        """(decode graphs ready, decode graphs planned): (0, 0) where decode does not compile."""
+        compiled = self.compiled_decode
+        return (compiled.num_ready, len(compiled.buckets)) if compiled is not None else (0, 0)
+
+    def close(self) -> None:
+        """Compile no further decode graph (the one compiling now finishes first)."""
+        if self.compiled_decode is not None:
+            self.compiled_decode.stop()
 
     @classmethod
     def from_pretrained(
@@ -437,8 +457,9 @@ class LLMEngine:
     def _forward(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[torch.Tensor, DecodeOutput | None]:
         """Compute the scheduled tokens: each sequence's last hidden state of the step [len(seqs), hidden],
         and, from a compiled decode step, their logits too (else None)."""
-        if self.compiled_decode is not None and all(n == 1 for n in num_tokens):
-            decoded = self.compiled_decode(
+        compiled = self.compiled_decode
+        if compiled is not None and all(n == 1 for n in num_tokens) and compiled.is_ready(len(seqs)):
+            decoded = compiled(
                 [seq.tokens_between(seq.num_computed, seq.num_computed + 1)[0] for seq in seqs],
                 [seq.num_computed for seq in seqs],
                 [seq.slot for seq in seqs],

@@ -112,8 +112,10 @@ def test_generate_reports_bad_input_clearly(tiny_preset, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_serve_answers_and_cache_stats_reads_its_cache(tiny_preset, tmp_path):
-    """`deepmesh serve` (what `make run` starts), then `deepmesh cache stats` against it."""
+def test_serve_answers_while_its_decode_graphs_compile_and_cache_stats_reads_its_cache(tiny_preset, tmp_path):
+    """`deepmesh serve` as `make run` starts it on a fresh machine (decode compiled, nothing in the
+    compile cache): it answers before its decode graphs are compiled, shows their progress in
+    /metrics, and `deepmesh cache stats` reads its cache."""
     import os
     import signal
 
@@ -128,14 +130,24 @@ def test_serve_answers_and_cache_stats_reads_its_cache(tiny_preset, tmp_path):
         "DEEPMESH_DATABASE_URL": f"sqlite:///{tmp_path}/deepmesh.db",
         "DEEPMESH_CACHE_DIR": str(tmp_path / "kv"),
         "DEEPMESH_TRACE_EXPORTER": "none",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),  # empty: every graph compiles from scratch
     }
     command = [sys.executable, "-m", "deepmesh.cli", "serve", "--port", str(port), "--model", str(tiny_preset)]
+    command.append("--compile")
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))  # noqa: SIM115
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(f"{url}/readyz", [server], 120, f"see {tmp_path / 'serve.log'}")
         body = {"model": "deepmesh-tiny", "messages": [{"role": "user", "content": "hello " * 150}], "max_tokens": 4}
-        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code == 200
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        graphs = {
+            line.split('state="')[1].split('"')[0]: float(line.split()[-1])
+            for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith("deepmesh_decode_graphs{")
+        }
+        # one graph per batch bucket up to 64 sequences, compiling from scratch: not all ready yet
+        assert graphs["planned"] == 7 and graphs["ready"] < graphs["planned"]
         shown = deepmesh("cache", "stats", "--url", url)
         assert shown.returncode == 0, shown.stderr
         assert "memory" in shown.stdout and "anchors" in shown.stdout and "blocks" in shown.stdout

@@ -3,7 +3,8 @@ tokens in every mode (batch sizes that pad, chunked prefill through the compiled
 handed over, prefixes imported), and eager decoding, with one log line, where nothing compiles.
 
 The graphs are compiled once for this module (the buckets 1, 2 and 4); engines with the same
-state shapes reuse them."""
+state shapes reuse them. An engine compiles them in the background and decodes eager until they
+are ready: requests that cross that switch keep their tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections import defaultdict
 
 import pytest
 import torch
@@ -43,9 +45,11 @@ def expected(tiny_model, prompts) -> list[list[int]]:
 
 
 def compiled_engine(model, **options) -> LLMEngine:
+    """An engine whose decode graphs are all ready: every decode step it runs is compiled."""
     engine = LLMEngine(model, max_num_seqs=SLOTS, compile_decode=True, **options)
     assert engine.compiled_decode is not None, "torch.compile is unavailable: no g++? (scripts/stack toolchain)"
     assert engine.compiled_decode.buckets == [1, 2, 4]
+    assert engine.wait_compiled(), engine.compiled_decode.failure
     return engine
 
 
@@ -57,6 +61,40 @@ def compiled(tiny_model) -> LLMEngine:
 def all_state_free(engine: LLMEngine) -> bool:
     cache = engine.cache
     return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
+
+
+def test_requests_that_cross_the_switch_to_compiled_keep_their_tokens(tiny_model, compiled, prompts):
+    """`LLMEngine(compile_decode=True)` returns at once and decodes eager while its graphs compile
+    behind it; each batch size switches to its graph once ready. Requests that start eager and end
+    compiled, greedy and seeded-sampled, get the tokens of an engine that never compiles."""
+    params = [
+        greedy(30),
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=18, temperature=1.2, top_k=50, seed=8, ignore_eos=True, logprobs=2),
+    ]
+    batch = prompts[:3]
+    never_compiled = LLMEngine(tiny_model, max_num_seqs=SLOTS)
+    assert not never_compiled.wait_compiled() and never_compiled.compile_progress() == (0, 0)
+    eager = never_compiled.generate(batch, params)
+
+    engine = LLMEngine(tiny_model, max_num_seqs=SLOTS, compile_decode=True)
+    tokens: dict[str, list[int]] = defaultdict(list)
+
+    def step() -> None:
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+
+    for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    for _ in range(5):  # the prompts, then four decode steps of three rows: bucket 4, compiled last
+        step()
+    assert engine.compiled_decode.steps == 0 and engine.compile_progress()[1] == 3
+    assert engine.wait_compiled() and engine.compile_progress() == (3, 3)
+    while engine.has_unfinished_requests():  # batches of 3, 2 and 1, each through its own graph now
+        step()
+    assert engine.compiled_decode.steps == max(p.max_tokens for p in params) - 5
+    assert [tokens[f"r{i}"] for i in range(3)] == [out.token_ids for out in eager]
+    assert all_state_free(engine)
 
 
 def test_batches_of_every_size_give_the_eager_tokens(compiled, prompts, expected, caplog):
