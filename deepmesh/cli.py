@@ -133,10 +133,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "gateway", "tokenizer", "prefill", "decode", "cache"):
         _observe(args.command)
     try:
-        return args.run(args)
+        code = args.run(args)
     except ValueError as err:  # EngineError and friends: a clear message, not a traceback
         print(f"deepmesh: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
+    _exit_at_once_if_compiling(code)
+    return code
+
+
+def _exit_at_once_if_compiling(code: int) -> None:
+    """The command is done (a server drained, the cache written down): a decode graph still compiling
+    in the background has nothing left to serve. Left to the interpreter's exit, it would be waited
+    for (engine/compiled_decode.py: the C++ runtime aborts a process that exits under the compiler),
+    up to a minute; end the process now instead, once traces and logs are written."""
+    compiled_decode = sys.modules.get("engine.compiled_decode")
+    if compiled_decode is None or not compiled_decode.compiling_anywhere():
+        return
+    import os
+
+    from opentelemetry import trace
+
+    shutdown = getattr(trace.get_tracer_provider(), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _make_model(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 torch.compile traces the model's decode forward (embedding to logits) into a single graph:
 every shape in it depends on the batch size and the block-table width only, never on the
-routing, on which windows close or on other values (model.py keeps it so), and the per-layer
+routing, on which windows close or on other values (the model code keeps it so), and the per-layer
 state is written in place. Batches are padded to a bucket (powers of two up
 to the engine's max_num_seqs); the padding rows compute token 0 at position 0 in the
 cache's scratch slot and scratch block, so they touch no sequence's state. The block-table
@@ -20,12 +20,14 @@ torch and model code loads the graphs instead of compiling them, in seconds.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -148,6 +150,24 @@ class _SwitchInterval:
 _switch_interval = _SwitchInterval()
 
 
+_compiling: weakref.WeakSet[CompiledDecode] = weakref.WeakSet()
+
+
+def compiling_anywhere() -> bool:
+    """Whether a decode graph of this process is compiling now."""
+    return any(compiled.compiling for compiled in list(_compiling))
+
+
+@atexit.register
+def _finish_compiling_before_exit() -> None:
+    """A process that exits while a graph compiles would tear the compiler down under its thread,
+    and the C++ runtime aborts the process: let the graph being compiled finish, compile no other."""
+    for compiled in list(_compiling):
+        if compiled.compiling:
+            log.info("exit waits for the decode graph being compiled (no further one starts)")
+        compiled.stop()
+
+
 class CompiledDecode:
     """Runs decode steps through compiled graphs, each bucket once its graph is ready (`is_ready`);
     the engine runs a step eager where its bucket is not, and always where this is None."""
@@ -199,6 +219,7 @@ class CompiledDecode:
         """Compile (or load from the disk cache) every bucket's graph on a thread of its own."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._compile_all, name="compile-decode", daemon=True)
+            _compiling.add(self)
             self._thread.start()
 
     def stop(self) -> None:
@@ -211,6 +232,10 @@ class CompiledDecode:
         """Block until every bucket is ready (True), compiling gave up or stopped, or `timeout` (False)."""
         self._finished.wait(timeout)
         return self.num_ready == len(self.buckets)
+
+    @property
+    def compiling(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def num_ready(self) -> int:
@@ -291,7 +316,8 @@ class CompiledDecode:
             log.info("%d decode graphs ready in %.1f s", len(self.buckets), self.warm_up_seconds)
         except Exception as error:  # a backend that cannot compile: its buckets stay eager
             self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            log.warning("decode runs eager: torch.compile is unavailable here (%s)", self.failure)
+            if threading.main_thread().is_alive():  # else the process is exiting, which stopped the compiler
+                log.warning("decode runs eager: torch.compile is unavailable here (%s)", self.failure)
         finally:
             self._finished.set()
 

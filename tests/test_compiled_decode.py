@@ -194,8 +194,10 @@ def test_handed_over_and_prefix_imported_requests_continue_exactly(tiny_model, c
     assert all_state_free(compiled)
 
 
-def test_without_a_compiler_decode_runs_eager(tiny_preset, tmp_path):
-    """Where Inductor finds no C++ compiler the engine says so once and decodes eager, to the same text."""
+def test_without_a_compiler_decode_runs_eager_and_a_process_may_exit_while_compiling(tiny_preset, tmp_path):
+    """Where Inductor finds no C++ compiler the engine says so once and decodes eager, to the same text.
+    With one, `deepmesh generate` answers and exits while its graphs still compile (an empty compile
+    cache): cleanly, with the same text, however far the compiler got."""
 
     def generate(*flags: str, **env: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "deepmesh.cli", "generate", "--model", str(tiny_preset)]
@@ -210,3 +212,6 @@ def test_without_a_compiler_decode_runs_eager(tiny_preset, tmp_path):
     assert eager.returncode == 0, eager.stderr
     assert "decode runs eager" not in eager.stderr
     assert no_compiler.stdout == eager.stdout and eager.stdout.strip()
+    compiling = generate("--compile")
+    assert compiling.returncode == 0, compiling.stderr
+    assert compiling.stdout == eager.stdout and "decode runs eager" not in compiling.stderr
