@@ -14,11 +14,11 @@ import torch
 
 from common.blocks import BLOCK_SIZE
 from engine.backends import keep_freed_memory_in_process, select_backend
+from engine.checkpoint import load_model, weights_id
 from engine.compiled_decode import CompiledDecode, DecodeOutput
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.grammar import GrammarCompiler, consume
-from engine.loader import load_model, weights_id
 from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
 from engine.resident_prefixes import ResidentPrefix, ResidentPrefixes
 from engine.sampler import Sampler
@@ -45,7 +45,7 @@ class LLMEngine:
         grammars: GrammarCompiler | None = None,
         compile_decode: bool = False,
     ):
-        """`weights` names the checkpoint (loader.weights_id): part of the state layout, so that
+        """`weights` names the checkpoint (engine.checkpoint.weights_id): part of the state layout, so that
         state is only ever shared between engines running the same weights.
         `max_low_priority_tokens`: the most tokens a prefill step gives to requests of priority > 0
         (batch work), so that an interactive request arriving meanwhile waits for a short step.
