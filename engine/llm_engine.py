@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import itertools
-import operator
 import random
-from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.backends import keep_freed_memory_in_process, select_backend
 from engine.checkpoint import load_model, weights_id
-from engine.compiled_decode import CompiledDecode, DecodeOutput
+from engine.compiled_decode import CompiledDecode
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.grammar import GrammarCompiler, consume
 from engine.kv_manager import KVManager
-from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
+from engine.model import DeepseekV4ForCausalLM
+from engine.model_runner import ModelRunner
 from engine.resident_prefixes import ResidentPrefixes
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -59,10 +57,6 @@ class LLMEngine:
         self.config: ModelConfig = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        keep_freed_memory_in_process()
-        self.backend = select_backend(self.device, kernel_backend)
-        model.use_backend(self.backend)
-        model.merge_projections()
         self.max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
@@ -77,8 +71,15 @@ class LLMEngine:
             resident_prefix_bytes=resident_prefix_bytes,
             weights=weights,
         )
+        self.runner = ModelRunner(
+            model,
+            self.kv.cache,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kernel_backend=kernel_backend,
+            compile_decode=compile_decode,
+        )
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_low_priority_tokens)
-        self.sampler = Sampler()
         self.grammars = grammars
         self.max_num_batched_tokens = max_num_batched_tokens
         self.seqs: dict[str, Sequence] = {}
@@ -87,7 +88,6 @@ class LLMEngine:
         self._seed_source = random.Random()
         self.last_step_tokens = 0  # tokens the last step computed (a prefill worker measures its speed)
         self.weights = weights
-        self.compiled_decode = CompiledDecode.create(model, self.cache, max_num_seqs) if compile_decode else None
 
     @classmethod
     def from_pretrained(
@@ -99,6 +99,18 @@ class LLMEngine:
             config = model.config
             kwargs["grammars"] = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids[0])
         return cls(model, weights=weights_id(path), **kwargs)
+
+    @property
+    def backend(self) -> object:
+        return self.runner.backend
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.runner.sampler
+
+    @property
+    def compiled_decode(self) -> CompiledDecode | None:
+        return self.runner.compiled_decode
 
     @property
     def cache(self) -> StateCache:
@@ -331,7 +343,7 @@ class LLMEngine:
         rows = [seq.last_hidden for seq in sampled]
         decoded = None  # what the compiled decode step computed, if this step ran it
         if batch is not None:
-            last, decoded = self._forward(batch.seqs, batch.num_tokens)
+            last, decoded = self.runner.forward(batch.seqs, batch.num_tokens)
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
                 seq.num_computed += n
                 seq.last_hidden = last[i]
@@ -346,12 +358,7 @@ class LLMEngine:
             return outputs
         matchers = [seq.matcher for seq in sampled]
         grammars = self.grammars.step(matchers) if any(m is not None for m in matchers) else None
-        # the graph's logits when the sampled rows are its rows: not with a prompt chunk among them, nor
-        # with a request sampled from its stored hidden state
-        if decoded is not None and len(sampled) == len(batch.seqs) and all(map(operator.is_, sampled, batch.seqs)):
-            tokens, logprobs, tops = self.sampler(decoded.logits, sampled, grammars, decoded.normalizer, decoded.argmax)
-        else:
-            tokens, logprobs, tops = self.sampler(self.model.compute_logits(torch.stack(rows)), sampled, grammars)
+        tokens, logprobs, tops = self.runner.sample(sampled, rows, grammars, batch.seqs if batch else [], decoded)
         for seq, token, logprob, top in zip(sampled, tokens, logprobs, tops, strict=True):
             if seq.matcher is not None:
                 consume(seq.matcher, token)
@@ -378,25 +385,6 @@ class LLMEngine:
                 )
             )
         return outputs
-
-    def _forward(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[torch.Tensor, DecodeOutput | None]:
-        """Compute the scheduled tokens: each sequence's last hidden state of the step [len(seqs), hidden],
-        and, from a compiled decode step, their logits too (else None)."""
-        if self.compiled_decode is not None and all(n == 1 for n in num_tokens):
-            decoded = self.compiled_decode(
-                [seq.tokens_between(seq.num_computed, seq.num_computed + 1)[0] for seq in seqs],
-                [seq.num_computed for seq in seqs],
-                [seq.slot for seq in seqs],
-                [seq.block_table for seq in seqs],
-            )
-            return decoded.hidden, decoded
-        slices, token_ids, ends = [], [], []
-        for seq, n in zip(seqs, num_tokens, strict=True):
-            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
-            token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
-            ends.append(len(token_ids) - 1)
-        step = StepInput.of(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
-        return self.model(step, self.cache)[ends].clone(), None  # each sequence's last token of the step
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -438,42 +426,24 @@ class LLMEngine:
 
     def score(self, token_ids: SequenceOf[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab] (fp32) of every prompt position, computed in chunks."""
-        return torch.cat(list(self._chunk_logits(token_ids)))
+        tokens = self._scored_tokens(token_ids)
+        with self.kv.scratch_state(len(tokens)) as (slot, blocks):
+            return self.runner.score(tokens, slot, blocks)
 
-    @torch.inference_mode()
     def prompt_logprobs(self, token_ids: SequenceOf[int], top: int) -> list[TokenLogprobs | None]:
         """Per prompt position, the logprob of its token given the ones before it and the `top`
         most likely tokens there (None at position 0: nothing comes before it). One pass over
         the prompt, out of the scheduler (as `score`), keeping one chunk's logits at a time."""
-        tokens = self._validate_tokens(token_ids)
-        entries: list[TokenLogprobs | None] = [None]
-        start = 0
-        for logits in self._chunk_logits(tokens):
-            logprobs = logits.log_softmax(dim=-1)
-            # row i predicts token start + i + 1; the last row of the prompt predicts nothing
-            following = torch.tensor(tokens[start + 1 : start + 1 + len(logits)], device=logits.device)
-            chosen = logprobs[: len(following)].gather(1, following.unsqueeze(1)).squeeze(1).tolist()
-            values, ids = logprobs[: len(following)].topk(top, dim=-1) if top else (None, None)
-            for row, logprob in enumerate(chosen):
-                best = list(zip(ids[row].tolist(), values[row].tolist(), strict=True)) if top else []
-                entries.append((logprob, best))
-            start += len(logits)
-        return entries
+        tokens = self._scored_tokens(token_ids)
+        with self.kv.scratch_state(len(tokens)) as (slot, blocks):
+            return self.runner.prompt_logprobs(tokens, top, slot, blocks)
 
-    @torch.inference_mode()
-    def _chunk_logits(self, token_ids: SequenceOf[int]) -> Iterator[torch.Tensor]:
-        """The logits [chunk, vocab] (fp32) of every prompt position, one engine chunk at a time."""
+    def _scored_tokens(self, token_ids: SequenceOf[int]) -> list[int]:
+        """A prompt to score, checked: its tokens, and its length within the model's context."""
         tokens = self._validate_tokens(token_ids)
         if len(tokens) > self.max_model_len:
             raise InvalidRequestError(f"{len(tokens)} tokens exceed the model's context of {self.max_model_len}")
-        with self.kv.scratch_state(len(tokens)) as (slot, blocks):
-            for start in range(0, len(tokens), self.max_num_batched_tokens):
-                chunk = tokens[start : start + self.max_num_batched_tokens]
-                step = StepInput.of(
-                    torch.tensor(chunk, dtype=torch.long, device=self.device),
-                    [SeqSlice(slot, start, len(chunk), blocks)],
-                )
-                yield self.model.compute_logits(self.model(step, self.cache))
+        return tokens
 
     def _validate_tokens(self, token_ids: SequenceOf[int]) -> list[int]:
         tokens = list(token_ids)
