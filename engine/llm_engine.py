@@ -136,35 +136,9 @@ class LLMEngine:
     ) -> None:
         """Queue a request. `snapshot_at`: prompt positions after which a step's output carries
         a copy of the state (RequestOutput.prefix_state), for a prefix cache to store."""
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling_params, snapshot_at))
-
-    def _new_request(
-        self,
-        request_id: str,
-        prompt_token_ids: SequenceOf[int],
-        sampling_params: SamplingParams,
-        snapshot_at: SequenceOf[int],
-    ) -> Sequence:
-        """A validated, registered request with no state yet, not queued."""
-        if request_id in self.seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt = self._validate_tokens(prompt_token_ids)
-        total = len(prompt) + sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling_params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        if not self.kv.can_ever_hold(total):
-            raise InvalidRequestError(
-                f"{total} tokens need more state than this engine holds ({self.cache.num_blocks} blocks)"
-            )
-        seed = sampling_params.seed if sampling_params.seed is not None else self._seed_source.getrandbits(63)
-        seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
-        seq.matcher = self._matcher(sampling_params, [])
-        seq.snapshot_at = _snapshot_positions(snapshot_at, len(prompt))
-        self._register(seq)
-        return seq
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
+        seed = self._request_seed(sampling_params)
+        self.scheduler.add(self._new_sequence(request_id, prompt, sampling_params, seed, snapshot_at=snapshot_at))
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -198,7 +172,7 @@ class LLMEngine:
         tokens served from it; 0 (and nothing added) when none is held or there is no room now.
 
         The outcome is add_request's, as with import_prefix: the state is that of these tokens."""
-        prompt = self._validate_tokens(prompt_token_ids)
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
         entry = self.kv.resident_prefix(sampling_params.prefix_namespace, prompt)
         if entry is None:
             return 0
@@ -246,7 +220,7 @@ class LLMEngine:
         when there was no room and the whole prompt was queued for prefill instead.
         """
         self.kv.check_snapshot(snapshot)
-        prompt = self._validate_tokens(prompt_token_ids)
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
         cached = snapshot.num_computed
         if cached > len(prompt) or (cached == len(prompt) and snapshot.last_hidden is None):
             raise SnapshotError(f"a {cached}-token prefix leaves nothing to compute of a {len(prompt)}-token prompt")
@@ -263,9 +237,12 @@ class LLMEngine:
         snapshot_at: SequenceOf[int],
         cached: int,
     ) -> Sequence:
-        """A validated, registered request whose first `cached` tokens' state the caller gives it:
+        """A checked, registered request whose first `cached` tokens' state the caller gives it:
         not queued, and its snapshots only past them."""
-        return self._new_request(request_id, prompt, sampling_params, [p for p in snapshot_at if p > cached])
+        seed = self._request_seed(sampling_params)
+        return self._new_sequence(
+            request_id, prompt, sampling_params, seed, snapshot_at=[p for p in snapshot_at if p > cached]
+        )
 
     def _load(self, seq: Sequence, snapshot: StateSnapshot) -> bool:
         """Give a registered sequence the snapshot's state and run it; with no room, queue it for recompute."""
@@ -299,20 +276,31 @@ class LLMEngine:
         sampling_params: SamplingParams,
         seed: int,
     ) -> Sequence:
-        """A validated, registered sequence that already has some output tokens."""
-        if request_id in self.seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt = self._validate_tokens(prompt_token_ids)
-        outputs = self._validate_tokens(output_token_ids) if output_token_ids else []
-        if len(outputs) >= sampling_params.max_tokens:
-            raise InvalidRequestError(f"request {request_id!r} already has {len(outputs)} of its max_tokens")
-        if len(prompt) + sampling_params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"prompt + max_tokens exceeds the model's context of {self.max_model_len}")
+        """A checked, registered sequence that already has some output tokens."""
+        prompt, outputs = self._checked_request(request_id, prompt_token_ids, sampling_params, output_token_ids)
+        return self._new_sequence(request_id, prompt, sampling_params, seed, outputs=outputs)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling_params: SamplingParams,
+        seed: int,
+        *,
+        outputs: list[int] | None = None,
+        snapshot_at: SequenceOf[int] = (),
+    ) -> Sequence:
+        """A registered sequence of a request `_checked_request` passed, with no state yet, not queued."""
         seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
-        seq.output_token_ids = outputs
-        seq.matcher = self._matcher(sampling_params, outputs)
+        seq.output_token_ids = outputs if outputs is not None else []
+        seq.matcher = self._matcher(sampling_params, seq.output_token_ids)
+        seq.snapshot_at = _snapshot_positions(snapshot_at, len(prompt))
         self._register(seq)
         return seq
+
+    def _request_seed(self, params: SamplingParams) -> int:
+        """The request's seed, or one drawn for it: sampling draws from (seed, position) only."""
+        return params.seed if params.seed is not None else self._seed_source.getrandbits(63)
 
     def _matcher(self, params: SamplingParams, outputs: list[int]) -> Any:
         if params.grammar is None:
@@ -437,6 +425,37 @@ class LLMEngine:
         tokens = self._scored_tokens(token_ids)
         with self.kv.scratch_state(len(tokens)) as (slot, blocks):
             return self.runner.prompt_logprobs(tokens, top, slot, blocks)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _checked_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        sampling_params: SamplingParams,
+        output_token_ids: SequenceOf[int] = (),
+    ) -> tuple[list[int], list[int]]:
+        """A new request's prompt and output so far, as lists, once it passes what every way in
+        (add_request, resume, the imports) checks: an id not in use, tokens of the vocabulary,
+        max_tokens not reached yet, and prompt + max_tokens within the model's context and within
+        this engine's state."""
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt = self._validate_tokens(prompt_token_ids)
+        outputs = self._validate_tokens(output_token_ids) if output_token_ids else []
+        if len(outputs) >= sampling_params.max_tokens:
+            raise InvalidRequestError(f"request {request_id!r} already has {len(outputs)} of its max_tokens")
+        total = len(prompt) + sampling_params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling_params.max_tokens}) = {total} "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        if not self.kv.can_ever_hold(total):
+            raise InvalidRequestError(
+                f"{total} tokens need more state than this engine holds ({self.cache.num_blocks} blocks)"
+            )
+        return prompt, outputs
 
     def _scored_tokens(self, token_ids: SequenceOf[int]) -> list[int]:
         """A prompt to score, checked: its tokens, and its length within the model's context."""
