@@ -1,4 +1,10 @@
-"""LLMEngine: requests in, tokens out, one scheduled step at a time."""
+"""LLMEngine: requests in, tokens out, one scheduled step at a time.
+
+The engine holds the requests (their sequences, checks and outputs) and runs each step: the
+scheduler picks what runs, the model runner (engine/model_runner.py) computes and samples it,
+and the KV manager (engine/kv_manager.py) holds the state memory it runs in and the snapshots
+that carry state between engines.
+"""
 
 from __future__ import annotations
 
