@@ -48,7 +48,7 @@ def main() -> None:
     _stack_env()
     import random
 
-    from engine.make_model import make_model
+    from engine.checkpoint.make_model import make_model
     from tests.chaos import (
         Faults,
         Outcome,

@@ -25,7 +25,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from engine import LLMEngine
-from engine.make_model import write_checkpoint
+from engine.checkpoint.make_model import write_checkpoint
 from engine.model import SeqSlice, StepInput
 
 ROOT = Path(__file__).resolve().parent.parent

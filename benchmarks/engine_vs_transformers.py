@@ -30,7 +30,7 @@ import torch
 from transformers import DeepseekV4ForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from engine import LLMEngine, SamplingParams
-from engine.make_model import preset_config, write_checkpoint
+from engine.checkpoint.make_model import preset_config, write_checkpoint
 from engine.model import Experts, GroupedLinear, HyperConnection, HyperHead, Router
 from engine.state_cache import StateLayout
 

@@ -49,7 +49,7 @@ def measure(loader: str, path: Path) -> dict:
 
         transformers.logging.set_verbosity_error()
     else:
-        from engine.loader import load_model
+        from engine.checkpoint.loader import load_model
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM, the peak RSS, to the current RSS
     start = time.perf_counter()
@@ -82,7 +82,7 @@ def main() -> None:
         print(json.dumps(measure(args.measure[0], Path(args.measure[1]))))
         return
 
-    from engine.make_model import preset_config, write_checkpoint
+    from engine.checkpoint.make_model import preset_config, write_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         config = preset_config(args.preset, torch_dtype="bfloat16")

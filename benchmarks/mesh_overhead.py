@@ -37,7 +37,7 @@ from common.bus import MemoryBus
 from common.settings import Settings
 from deepmesh.mesh import Mesh
 from engine import LLMEngine, SamplingParams
-from engine.make_model import make_model
+from engine.checkpoint.make_model import make_model
 from gateway.app import create_app
 from gateway.jobs import JobStore
 from tokenizer_svc.protocol import Codec

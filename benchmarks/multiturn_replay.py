@@ -44,7 +44,7 @@ from common.messages import Envelope, PrefillPayload, Sampling, TokensPayload, d
 from common.settings import Settings
 from common.topics import Topic, topic_name
 from deepmesh.mesh import Mesh
-from engine.make_model import make_model
+from engine.checkpoint.make_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = (1000, 120_000)  # ordinary text tokens of the V4 vocabulary: no special tokens

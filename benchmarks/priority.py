@@ -43,7 +43,7 @@ from cache_svc.store import StateStore
 from common.bus import MemoryBus
 from common.settings import Settings
 from deepmesh.mesh import Mesh
-from engine.make_model import make_model
+from engine.checkpoint.make_model import make_model
 from gateway.app import create_app
 from gateway.jobs import JobStore
 

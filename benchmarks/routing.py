@@ -58,7 +58,7 @@ from common.topics import Topic, create_all, topic_name
 from common.worker import ROUTED_TO, run_workers
 from decode_svc.worker import DecodeWorker
 from engine import LLMEngine, SamplingParams
-from engine.make_model import make_model
+from engine.checkpoint.make_model import make_model
 from prefill_svc.worker import PrefillWorker
 
 ROOT = Path(__file__).resolve().parent.parent

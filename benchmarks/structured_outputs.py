@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.make_model import make_model
+from engine.checkpoint.make_model import make_model
 from tokenizer_svc.constraints import Markup, output_grammar
 
 ROOT = Path(__file__).resolve().parent.parent

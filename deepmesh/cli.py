@@ -163,7 +163,7 @@ def _exit_at_once_if_compiling(code: int) -> None:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import make_model
+    from engine.checkpoint.make_model import make_model
 
     path = make_model(
         args.outdir,
@@ -179,7 +179,7 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from engine.inspect_checkpoint import inspect_checkpoint, render
+    from engine.checkpoint.inspect_checkpoint import inspect_checkpoint, render
 
     report = inspect_checkpoint(args.path, dtype=args.dtype)
     print(render(report))
@@ -237,7 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
     from common.claims import ClaimStore
     from common.settings import Settings
     from deepmesh.mesh import Mesh
-    from engine.make_model import make_model
+    from engine.checkpoint.make_model import make_model
     from gateway.app import create_app
     from gateway.jobs import JobStore
 

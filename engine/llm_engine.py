@@ -1,31 +1,36 @@
-"""LLMEngine: requests in, tokens out, one scheduled step at a time."""
+"""LLMEngine: requests in, tokens out, one scheduled step at a time.
+
+The engine holds the requests (their sequences, checks and outputs) and runs each step: the
+scheduler picks what runs, the model runner (engine/model_runner.py) computes and samples it,
+and the KV manager (engine/kv_manager.py) holds the state memory it runs in and the snapshots
+that carry state between engines.
+"""
 
 from __future__ import annotations
 
 import itertools
-import operator
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from common.blocks import BLOCK_SIZE
-from engine.backends import keep_freed_memory_in_process, select_backend
-from engine.compiled_decode import CompiledDecode, DecodeOutput
+from engine.checkpoint import load_model, weights_id
+from engine.compiled_decode import CompiledDecode
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.grammar import GrammarCompiler, consume
-from engine.loader import load_model, weights_id
-from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
-from engine.resident_prefixes import ResidentPrefix, ResidentPrefixes
+from engine.kv_manager import KVManager
+from engine.model import DeepseekV4ForCausalLM
+from engine.model_runner import ModelRunner
+from engine.resident_prefixes import ResidentPrefixes
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
 from engine.state_cache import StateCache
-from engine.state_transfer import SnapshotError, StateSnapshot, layout_id
+from engine.state_transfer import SnapshotError, StateSnapshot
 
 
 class LLMEngine:
@@ -46,7 +51,7 @@ class LLMEngine:
         compile_decode: bool = False,
         on_compile_progress: Callable[[int, int], None] | None = None,
     ):
-        """`weights` names the checkpoint (loader.weights_id): part of the state layout, so that
+        """`weights` names the checkpoint (engine.checkpoint.weights_id): part of the state layout, so that
         state is only ever shared between engines running the same weights.
         `max_low_priority_tokens`: the most tokens a prefill step gives to requests of priority > 0
         (batch work), so that an interactive request arriving meanwhile waits for a short step.
@@ -62,26 +67,30 @@ class LLMEngine:
         self.config: ModelConfig = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        keep_freed_memory_in_process()
-        self.backend = select_backend(self.device, kernel_backend)
-        model.use_backend(self.backend)
-        model.merge_projections()
         self.max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
-        if num_blocks is None:
-            # enough for every slot to hold a full-length sequence, within the memory budget
-            cache_probe = StateCache(self.config, 0, 0, self.dtype, "meta")
-            wanted = max_num_seqs * StateCache.blocks_needed(self.max_model_len)
-            affordable = (state_memory_bytes - max_num_seqs * cache_probe.layout.slot_bytes) // max(
-                cache_probe.layout.block_bytes, 1
-            )
-            num_blocks = max(1, min(wanted, affordable))
-        self.cache = StateCache(self.config, num_blocks, max_num_seqs, self.dtype, self.device)
+        self.kv = KVManager(
+            self.config,
+            self.dtype,
+            self.device,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+            state_memory_bytes=state_memory_bytes,
+            resident_prefix_bytes=resident_prefix_bytes,
+            weights=weights,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.kv.cache,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kernel_backend=kernel_backend,
+            compile_decode=compile_decode,
+            on_compile_progress=on_compile_progress,
+        )
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_low_priority_tokens)
-        self.resident = ResidentPrefixes(resident_prefix_bytes)
-        self.cache.block_allocator.on_reuse = self.resident.block_reused
-        self.sampler = Sampler()
         self.grammars = grammars
         self.max_num_batched_tokens = max_num_batched_tokens
         self.seqs: dict[str, Sequence] = {}
@@ -90,10 +99,6 @@ class LLMEngine:
         self._seed_source = random.Random()
         self.last_step_tokens = 0  # tokens the last step computed (a prefill worker measures its speed)
         self.weights = weights
-        self.layout = layout_id(self.config, self.dtype, weights)
-        self.compiled_decode = (
-            CompiledDecode.create(model, self.cache, max_num_seqs, on_compile_progress) if compile_decode else None
-        )
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until every decode graph is ready: True then, False on `timeout` or where decode does
@@ -121,6 +126,31 @@ class LLMEngine:
             kwargs["grammars"] = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids[0])
         return cls(model, weights=weights_id(path), **kwargs)
 
+    @property
+    def backend(self) -> object:
+        return self.runner.backend
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.runner.sampler
+
+    @property
+    def compiled_decode(self) -> CompiledDecode | None:
+        return self.runner.compiled_decode
+
+    @property
+    def cache(self) -> StateCache:
+        return self.kv.cache
+
+    @property
+    def resident(self) -> ResidentPrefixes:
+        return self.kv.resident
+
+    @property
+    def layout(self) -> str:
+        """The state layout's id (state_transfer.layout_id): snapshots load only where it is the same."""
+        return self.kv.layout
+
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(
@@ -132,25 +162,9 @@ class LLMEngine:
     ) -> None:
         """Queue a request. `snapshot_at`: prompt positions after which a step's output carries
         a copy of the state (RequestOutput.prefix_state), for a prefix cache to store."""
-        if request_id in self.seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt = self._validate_tokens(prompt_token_ids)
-        total = len(prompt) + sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling_params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
-            )
-        if self.cache.uses_blocks and self.cache.blocks_needed(total) > self.cache.num_blocks:
-            raise InvalidRequestError(
-                f"{total} tokens need more state than this engine holds ({self.cache.num_blocks} blocks)"
-            )
-        seed = sampling_params.seed if sampling_params.seed is not None else self._seed_source.getrandbits(63)
-        seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
-        seq.matcher = self._matcher(sampling_params, [])
-        seq.snapshot_at = _snapshot_positions(snapshot_at, len(prompt))
-        self._register(seq)
-        self.scheduler.add(seq)
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
+        seed = self._request_seed(sampling_params)
+        self.scheduler.add(self._new_sequence(request_id, prompt, sampling_params, seed, snapshot_at=snapshot_at))
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -169,27 +183,7 @@ class LLMEngine:
             raise UnknownRequestError(f"no request {request_id!r} (finished, aborted or never added)")
         if seq.slot is None or seq.num_computed == 0:
             raise InvalidRequestError(f"request {request_id!r} has no computed state yet")
-        return self._snapshot(seq)
-
-    def _snapshot(self, seq: Sequence, prefix_only: bool = False) -> StateSnapshot:
-        """The sequence's state; with prefix_only, as the state of its computed tokens alone (a
-        prefix cache entry), without the tokens that follow them."""
-        n_blocks = self.cache.blocks_needed(seq.num_computed) if self.cache.uses_blocks else 0
-        token_ids = seq.token_ids[: seq.num_computed] if prefix_only else seq.token_ids
-        snapshot = StateSnapshot(
-            layout=self.layout,
-            token_ids=token_ids,
-            prompt_len=len(token_ids) if prefix_only else len(seq.prompt_token_ids),
-            num_computed=seq.num_computed,
-            seed=seq.seed,
-            blocks=self.cache.read_blocks(seq.block_table[:n_blocks]),
-            slot=self.cache.read_slot(seq.slot),
-            last_hidden=seq.last_hidden,
-        )
-        # the same state, where it already is: in this engine's blocks (tier 0)
-        resident = ResidentPrefix(seq.num_computed, seq.block_table[:n_blocks], snapshot.slot, seq.last_hidden)
-        self.resident.add(seq.params.prefix_namespace, seq.token_ids[: seq.num_computed], resident)
-        return snapshot
+        return self.kv.snapshot(seq)
 
     def import_resident(
         self,
@@ -204,32 +198,14 @@ class LLMEngine:
         tokens served from it; 0 (and nothing added) when none is held or there is no room now.
 
         The outcome is add_request's, as with import_prefix: the state is that of these tokens."""
-        prompt = self._validate_tokens(prompt_token_ids)
-        entry = self.resident.longest(sampling_params.prefix_namespace, prompt, len(prompt))
-        if entry is None or entry.last_hidden is None:
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
+        entry = self.kv.resident_prefix(sampling_params.prefix_namespace, prompt)
+        if entry is None:
             return 0
-        allocator, cached = self.cache.block_allocator, entry.num_tokens
-        full = cached // BLOCK_SIZE if self.cache.uses_blocks else 0
-        partial = entry.block_ids[full:]  # the block the next tokens write into: copied
-        taken_from_free = sum(allocator.ref_counts[b] == 0 for b in entry.block_ids)
-        if self.cache.num_free_slots == 0 or allocator.num_free - taken_from_free < len(partial):
-            return 0
-        seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, cached)
-        for block_id in entry.block_ids:  # first, so that allocating the copy cannot reuse them
-            allocator.revive(block_id)
-        table = entry.block_ids[:full]
-        for block_id in partial:
-            copy = allocator.allocate()
-            self.cache.copy_block(block_id, copy)
-            allocator.release(block_id)
-            table.append(copy)
-        seq.block_table = table
-        seq.slot = self.cache.allocate_slot()
-        self.cache.write_slot(seq.slot, entry.slot)
-        seq.num_computed, seq.last_hidden = cached, entry.last_hidden
+        seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, entry.num_tokens)
+        self.kv.take_resident(seq, entry)
         self.scheduler.add_running(seq)
-        self.resident.hits += 1
-        return cached
+        return entry.num_tokens
 
     def keep_resident(self, namespace: str, snapshot: StateSnapshot) -> bool:
         """Hold a prefix's state in this engine's own memory without a request for it: loaded now,
@@ -237,19 +213,7 @@ class LLMEngine:
         no load (a conversation's answer, computed by a decode engine, for its next turn). Its
         blocks are written and freed at once: free blocks keep their content until reused, and
         nothing running is displaced. False when it is not a prefix state or there is no room."""
-        self._check_snapshot(snapshot)
-        allocator, n_blocks = self.cache.block_allocator, len(snapshot.blocks) if self.cache.uses_blocks else 0
-        if snapshot.last_hidden is None or n_blocks > allocator.num_free or self.resident.max_bytes <= 0:
-            return False
-        block_ids = [allocator.allocate() for _ in range(n_blocks)]
-        if n_blocks:
-            self.cache.write_blocks(block_ids, snapshot.blocks)
-        for block_id in block_ids:
-            allocator.release(block_id)
-        slot = {k: v.to(self.device) for k, v in snapshot.slot.items()}
-        entry = ResidentPrefix(snapshot.num_computed, block_ids, slot, snapshot.last_hidden.to(self.device, self.dtype))
-        self.resident.add(namespace, snapshot.token_ids[: snapshot.num_computed], entry)
-        return True
+        return self.kv.keep_resident(namespace, snapshot)
 
     def import_state(self, request_id: str, snapshot: StateSnapshot, sampling_params: SamplingParams) -> bool:
         """Continue a request from another engine's snapshot; the next step decodes it.
@@ -259,7 +223,7 @@ class LLMEngine:
         Tokens generated before the hand-over count towards max_tokens; their logprobs stay
         with the engine that produced them.
         """
-        self._check_snapshot(snapshot)
+        self.kv.check_snapshot(snapshot)
         prompt, outputs = snapshot.token_ids[: snapshot.prompt_len], snapshot.token_ids[snapshot.prompt_len :]
         seq = self._resumed_sequence(request_id, prompt, outputs, sampling_params, snapshot.seed)
         return self._load(seq, snapshot)
@@ -281,8 +245,8 @@ class LLMEngine:
         the first token from the snapshot's last hidden state. Returns False, like import_state,
         when there was no room and the whole prompt was queued for prefill instead.
         """
-        self._check_snapshot(snapshot)
-        prompt = self._validate_tokens(prompt_token_ids)
+        self.kv.check_snapshot(snapshot)
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
         cached = snapshot.num_computed
         if cached > len(prompt) or (cached == len(prompt) and snapshot.last_hidden is None):
             raise SnapshotError(f"a {cached}-token prefix leaves nothing to compute of a {len(prompt)}-token prompt")
@@ -299,42 +263,18 @@ class LLMEngine:
         snapshot_at: SequenceOf[int],
         cached: int,
     ) -> Sequence:
-        """A validated, registered request whose first `cached` tokens' state the caller gives it:
+        """A checked, registered request whose first `cached` tokens' state the caller gives it:
         not queued, and its snapshots only past them."""
-        self.add_request(request_id, prompt, sampling_params, [p for p in snapshot_at if p > cached])
-        seq = self.seqs[request_id]
-        self.scheduler.waiting.remove(seq)
-        return seq
-
-    def _check_snapshot(self, snapshot: StateSnapshot) -> None:
-        if snapshot.layout != self.layout:
-            raise SnapshotError(f"snapshot layout {snapshot.layout} is not this engine's ({self.layout})")
-        if not (snapshot.prompt_len > 0 and 0 < snapshot.num_computed <= len(snapshot.token_ids)):
-            raise SnapshotError(
-                f"inconsistent snapshot: {len(snapshot.token_ids)} tokens, prompt {snapshot.prompt_len}, "
-                f"computed {snapshot.num_computed}"
-            )
-        n_blocks = self.cache.blocks_needed(snapshot.num_computed) if self.cache.uses_blocks else 0
-        if tuple(snapshot.blocks.shape) != (n_blocks, self.cache.layout.block_numel):
-            raise SnapshotError(f"snapshot blocks {tuple(snapshot.blocks.shape)}, expected {n_blocks} rows")
-        shapes = {name: tuple(t.shape) for name, t in snapshot.slot.items()}
-        if shapes != self.cache.slot_shapes():
-            raise SnapshotError("snapshot slot state does not match this engine's layout")
+        seed = self._request_seed(sampling_params)
+        return self._new_sequence(
+            request_id, prompt, sampling_params, seed, snapshot_at=[p for p in snapshot_at if p > cached]
+        )
 
     def _load(self, seq: Sequence, snapshot: StateSnapshot) -> bool:
         """Give a registered sequence the snapshot's state and run it; with no room, queue it for recompute."""
-        n_blocks = len(snapshot.blocks) if self.cache.uses_blocks else 0
-        if self.cache.num_free_slots == 0 or n_blocks > self.cache.block_allocator.num_free:
+        if not self.kv.load(seq, snapshot):
             self.scheduler.add(seq)  # no room now: recompute it from its tokens when there is
             return False
-        seq.slot = self.cache.allocate_slot()
-        seq.block_table = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
-        if n_blocks:
-            self.cache.write_blocks(seq.block_table, snapshot.blocks)
-        self.cache.write_slot(seq.slot, {k: v.to(self.device) for k, v in snapshot.slot.items()})
-        seq.num_computed = snapshot.num_computed
-        if snapshot.last_hidden is not None:
-            seq.last_hidden = snapshot.last_hidden.to(self.device, self.dtype)
         self.scheduler.add_running(seq)
         return True
 
@@ -362,20 +302,31 @@ class LLMEngine:
         sampling_params: SamplingParams,
         seed: int,
     ) -> Sequence:
-        """A validated, registered sequence that already has some output tokens."""
-        if request_id in self.seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt = self._validate_tokens(prompt_token_ids)
-        outputs = self._validate_tokens(output_token_ids) if output_token_ids else []
-        if len(outputs) >= sampling_params.max_tokens:
-            raise InvalidRequestError(f"request {request_id!r} already has {len(outputs)} of its max_tokens")
-        if len(prompt) + sampling_params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"prompt + max_tokens exceeds the model's context of {self.max_model_len}")
+        """A checked, registered sequence that already has some output tokens."""
+        prompt, outputs = self._checked_request(request_id, prompt_token_ids, sampling_params, output_token_ids)
+        return self._new_sequence(request_id, prompt, sampling_params, seed, outputs=outputs)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling_params: SamplingParams,
+        seed: int,
+        *,
+        outputs: list[int] | None = None,
+        snapshot_at: SequenceOf[int] = (),
+    ) -> Sequence:
+        """A registered sequence of a request `_checked_request` passed, with no state yet, not queued."""
         seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
-        seq.output_token_ids = outputs
-        seq.matcher = self._matcher(sampling_params, outputs)
+        seq.output_token_ids = outputs if outputs is not None else []
+        seq.matcher = self._matcher(sampling_params, seq.output_token_ids)
+        seq.snapshot_at = _snapshot_positions(snapshot_at, len(prompt))
         self._register(seq)
         return seq
+
+    def _request_seed(self, params: SamplingParams) -> int:
+        """The request's seed, or one drawn for it: sampling draws from (seed, position) only."""
+        return params.seed if params.seed is not None else self._seed_source.getrandbits(63)
 
     def _matcher(self, params: SamplingParams, outputs: list[int]) -> Any:
         if params.grammar is None:
@@ -406,13 +357,13 @@ class LLMEngine:
         rows = [seq.last_hidden for seq in sampled]
         decoded = None  # what the compiled decode step computed, if this step ran it
         if batch is not None:
-            last, decoded = self._forward(batch.seqs, batch.num_tokens)
+            last, decoded = self.runner.forward(batch.seqs, batch.num_tokens)
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
                 seq.num_computed += n
                 seq.last_hidden = last[i]
                 if seq.snapshot_at and seq.num_computed == seq.snapshot_at[0]:
                     seq.snapshot_at.pop(0)
-                    prefix = self._snapshot(seq, prefix_only=True)
+                    prefix = self.kv.snapshot(seq, prefix_only=True)
                     outputs.append(RequestOutput(seq.request_id, [], [], False, None, prefix_state=prefix))
                 if seq.num_computed == seq.num_tokens:
                     sampled.append(seq)
@@ -421,12 +372,7 @@ class LLMEngine:
             return outputs
         matchers = [seq.matcher for seq in sampled]
         grammars = self.grammars.step(matchers) if any(m is not None for m in matchers) else None
-        # the graph's logits when the sampled rows are its rows: not with a prompt chunk among them, nor
-        # with a request sampled from its stored hidden state
-        if decoded is not None and len(sampled) == len(batch.seqs) and all(map(operator.is_, sampled, batch.seqs)):
-            tokens, logprobs, tops = self.sampler(decoded.logits, sampled, grammars, decoded.normalizer, decoded.argmax)
-        else:
-            tokens, logprobs, tops = self.sampler(self.model.compute_logits(torch.stack(rows)), sampled, grammars)
+        tokens, logprobs, tops = self.runner.sample(sampled, rows, grammars, batch.seqs if batch else [], decoded)
         for seq, token, logprob, top in zip(sampled, tokens, logprobs, tops, strict=True):
             if seq.matcher is not None:
                 consume(seq.matcher, token)
@@ -436,7 +382,7 @@ class LLMEngine:
             final_state = None
             if reason:
                 if seq.params.keep_final_state:  # everything but the last token, which was never computed
-                    final_state = self._snapshot(seq)
+                    final_state = self.kv.snapshot(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
                 self.scheduler.remove(seq)
                 del self.seqs[seq.request_id]
@@ -453,26 +399,6 @@ class LLMEngine:
                 )
             )
         return outputs
-
-    def _forward(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[torch.Tensor, DecodeOutput | None]:
-        """Compute the scheduled tokens: each sequence's last hidden state of the step [len(seqs), hidden],
-        and, from a compiled decode step, their logits too (else None)."""
-        compiled = self.compiled_decode
-        if compiled is not None and all(n == 1 for n in num_tokens) and compiled.is_ready(len(seqs)):
-            decoded = compiled(
-                [seq.tokens_between(seq.num_computed, seq.num_computed + 1)[0] for seq in seqs],
-                [seq.num_computed for seq in seqs],
-                [seq.slot for seq in seqs],
-                [seq.block_table for seq in seqs],
-            )
-            return decoded.hidden, decoded
-        slices, token_ids, ends = [], [], []
-        for seq, n in zip(seqs, num_tokens, strict=True):
-            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
-            token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
-            ends.append(len(token_ids) - 1)
-        step = StepInput.of(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
-        return self.model(step, self.cache)[ends].clone(), None  # each sequence's last token of the step
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -514,51 +440,55 @@ class LLMEngine:
 
     def score(self, token_ids: SequenceOf[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab] (fp32) of every prompt position, computed in chunks."""
-        return torch.cat(list(self._chunk_logits(token_ids)))
+        tokens = self._scored_tokens(token_ids)
+        with self.kv.scratch_state(len(tokens)) as (slot, blocks):
+            return self.runner.score(tokens, slot, blocks)
 
-    @torch.inference_mode()
     def prompt_logprobs(self, token_ids: SequenceOf[int], top: int) -> list[TokenLogprobs | None]:
         """Per prompt position, the logprob of its token given the ones before it and the `top`
         most likely tokens there (None at position 0: nothing comes before it). One pass over
         the prompt, out of the scheduler (as `score`), keeping one chunk's logits at a time."""
-        tokens = self._validate_tokens(token_ids)
-        entries: list[TokenLogprobs | None] = [None]
-        start = 0
-        for logits in self._chunk_logits(tokens):
-            logprobs = logits.log_softmax(dim=-1)
-            # row i predicts token start + i + 1; the last row of the prompt predicts nothing
-            following = torch.tensor(tokens[start + 1 : start + 1 + len(logits)], device=logits.device)
-            chosen = logprobs[: len(following)].gather(1, following.unsqueeze(1)).squeeze(1).tolist()
-            values, ids = logprobs[: len(following)].topk(top, dim=-1) if top else (None, None)
-            for row, logprob in enumerate(chosen):
-                best = list(zip(ids[row].tolist(), values[row].tolist(), strict=True)) if top else []
-                entries.append((logprob, best))
-            start += len(logits)
-        return entries
+        tokens = self._scored_tokens(token_ids)
+        with self.kv.scratch_state(len(tokens)) as (slot, blocks):
+            return self.runner.prompt_logprobs(tokens, top, slot, blocks)
 
-    @torch.inference_mode()
-    def _chunk_logits(self, token_ids: SequenceOf[int]) -> Iterator[torch.Tensor]:
-        """The logits [chunk, vocab] (fp32) of every prompt position, one engine chunk at a time."""
+    # -- checks -------------------------------------------------------------------------------
+
+    def _checked_request(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        sampling_params: SamplingParams,
+        output_token_ids: SequenceOf[int] = (),
+    ) -> tuple[list[int], list[int]]:
+        """A new request's prompt and output so far, as lists, once it passes what every way in
+        (add_request, resume, the imports) checks: an id not in use, tokens of the vocabulary,
+        max_tokens not reached yet, and prompt + max_tokens within the model's context and within
+        this engine's state."""
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt = self._validate_tokens(prompt_token_ids)
+        outputs = self._validate_tokens(output_token_ids) if output_token_ids else []
+        if len(outputs) >= sampling_params.max_tokens:
+            raise InvalidRequestError(f"request {request_id!r} already has {len(outputs)} of its max_tokens")
+        total = len(prompt) + sampling_params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling_params.max_tokens}) = {total} "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        if not self.kv.can_ever_hold(total):
+            raise InvalidRequestError(
+                f"{total} tokens need more state than this engine holds ({self.cache.num_blocks} blocks)"
+            )
+        return prompt, outputs
+
+    def _scored_tokens(self, token_ids: SequenceOf[int]) -> list[int]:
+        """A prompt to score, checked: its tokens, and its length within the model's context."""
         tokens = self._validate_tokens(token_ids)
         if len(tokens) > self.max_model_len:
             raise InvalidRequestError(f"{len(tokens)} tokens exceed the model's context of {self.max_model_len}")
-        n_blocks = self.cache.blocks_needed(len(tokens)) if self.cache.uses_blocks else 0
-        if self.cache.num_free_slots == 0 or n_blocks > self.cache.block_allocator.num_free:
-            raise InvalidRequestError("not enough free state to score now; retry when running requests finish")
-        slot = self.cache.allocate_slot()
-        blocks = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
-        try:
-            for start in range(0, len(tokens), self.max_num_batched_tokens):
-                chunk = tokens[start : start + self.max_num_batched_tokens]
-                step = StepInput.of(
-                    torch.tensor(chunk, dtype=torch.long, device=self.device),
-                    [SeqSlice(slot, start, len(chunk), blocks)],
-                )
-                yield self.model.compute_logits(self.model(step, self.cache))
-        finally:
-            for block in blocks:
-                self.cache.block_allocator.release(block)
-            self.cache.release_slot(slot)
+        return tokens
 
     def _validate_tokens(self, token_ids: SequenceOf[int]) -> list[int]:
         tokens = list(token_ids)

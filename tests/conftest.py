@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import LLMEngine
+from engine.checkpoint.make_model import preset_config, write_checkpoint
 from engine.config import CSA, HCA, SLIDING
-from engine.make_model import preset_config, write_checkpoint
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -70,7 +70,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def tiny_preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset as `make run` makes it (seed 0, the V4 tokenizer): what the mesh, the
     gateway and the distributed tests serve. Written once; nothing writes into it."""
-    from engine.make_model import make_model
+    from engine.checkpoint.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("preset") / "tiny", "tiny", seed=0)
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import DeepseekV4ForCausalLM
 
 from engine import LLMEngine, SamplingParams
-from engine.make_model import write_checkpoint
+from engine.checkpoint.make_model import write_checkpoint
 from tests.conftest import PARITY_CONFIGS, random_prompts
 from tests.test_parity import NEW_TOKENS, reference_greedy
 

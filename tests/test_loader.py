@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLMEngine, SamplingParams, UnsupportedCheckpointError
-from engine.loader import load_model
-from engine.make_model import preset_config, write_checkpoint
-from engine.weight_names import LAYER_NAMES, MTP_NAMES, TOP_NAMES, Target, canonical_name
+from engine.checkpoint.loader import load_model
+from engine.checkpoint.make_model import preset_config, write_checkpoint
+from engine.checkpoint.weight_names import LAYER_NAMES, MTP_NAMES, TOP_NAMES, Target, canonical_name
 from tests.conftest import PARITY_CONFIGS, random_prompts
 from tests.test_checkpoint_formats import dequantized_by_hand, stored_tensors
 
@@ -127,7 +127,7 @@ def test_quantized_weights_load_as_their_values_times_their_scales(published):
 
 
 def test_mtp_modules_are_loaded_and_named_once(published, caplog):
-    with caplog.at_level(logging.WARNING, logger="engine.loader"):
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoint.loader"):
         model = load_model(published, dtype="float32")
     assert len(model.mtp) == 1
     stored = stored_tensors(published, "mtp.0.")
@@ -144,7 +144,7 @@ def test_a_tensor_the_engine_has_no_place_for(published, tmp_path, caplog):
     layer's output if dropped, so it is an error."""
     path = _copy(published, tmp_path / "extra")
     _rewrite(path, lambda t: t.update({"rotary.inv_freq": torch.ones(4)}))
-    with caplog.at_level(logging.WARNING, logger="engine.loader"):
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoint.loader"):
         load_model(path)
     assert "rotary.inv_freq" in caplog.text
     _rewrite(path, lambda t: t.update({"layers.2.attn.wq_a.bias": torch.ones(64)}))

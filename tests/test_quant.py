@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
+from engine.checkpoint.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
 from tests.test_checkpoint_formats import dequantized_by_hand
 
 

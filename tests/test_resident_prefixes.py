@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.loader import load_model
+from engine.checkpoint.loader import load_model
 from engine.resident_prefixes import ResidentPrefix, ResidentPrefixes
 from engine.state_cache import BlockAllocator
 from tests.conftest import random_prompts

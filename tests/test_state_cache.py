@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from common.blocks import BLOCK_SIZE
+from engine.checkpoint.make_model import preset_config
 from engine.config import ModelConfig
-from engine.make_model import preset_config
 from engine.state_cache import BlockAllocator, OutOfBlocksError, StateCache, StateLayout
 
 

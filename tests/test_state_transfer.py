@@ -13,7 +13,7 @@ from engine import (
     StateSnapshot,
     UnknownRequestError,
 )
-from engine.loader import load_model
+from engine.checkpoint.loader import load_model
 from tests.conftest import random_prompts
 
 LENGTHS = (1, 17, 128, 129, 300, 520)

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from engine.checkpoint.quant import quantize_fp4, quantize_fp8
+from engine.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE
+from engine.checkpoint.weight_names import EXPERT_PARAMS, deepseek_expert_name, deepseek_name
 from engine.config import CSA, HCA, SLIDING, ModelConfig, QuantConfig
 from engine.model import FP32_PARAMETER_SUFFIXES, DeepseekV4ForCausalLM, Experts
-from engine.quant import quantize_fp4, quantize_fp8
-from engine.safetensors_files import INDEX_FILE, SINGLE_FILE
-from engine.weight_names import EXPERT_PARAMS, deepseek_expert_name, deepseek_name
 
 TOKENIZER_VOCAB = 129280
 LAYOUTS = ("transformers", "deepseek")

@@ -19,10 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, QuantConfig
-from engine.errors import UnsupportedCheckpointError
-from engine.model import FP32_PARAMETER_SUFFIXES, DeepseekV4ForCausalLM
-from engine.quant import (
+from engine.checkpoint.quant import (
     FP8_DTYPE,
     SCALE_DTYPES,
     dequantize_fp4,
@@ -30,8 +27,11 @@ from engine.quant import (
     fp4_scale_shape,
     fp8_scale_shape,
 )
-from engine.safetensors_files import CheckpointFiles, StoredTensor, checkpoint_files
-from engine.weight_names import EXPERT_PARAMS, EXPERT_PARTS, Target, canonical_name, deepseek_expert_name
+from engine.checkpoint.safetensors_files import CheckpointFiles, StoredTensor, checkpoint_files
+from engine.checkpoint.weight_names import EXPERT_PARAMS, EXPERT_PARTS, Target, canonical_name, deepseek_expert_name
+from engine.config import ModelConfig, QuantConfig
+from engine.errors import UnsupportedCheckpointError
+from engine.model import FP32_PARAMETER_SUFFIXES, DeepseekV4ForCausalLM
 
 logger = logging.getLogger(__name__)
 

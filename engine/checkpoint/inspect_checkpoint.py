@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint.loader import Piece, WeightPlan, parameter_dtype, plan_weights, resolve_dtype, unused_summary
+from engine.checkpoint.safetensors_files import CheckpointFiles, StoredTensor
+from engine.checkpoint.weight_names import EXPERT_PARAMS
 from engine.config import ModelConfig
 from engine.errors import UnsupportedCheckpointError
-from engine.loader import Piece, WeightPlan, parameter_dtype, plan_weights, resolve_dtype, unused_summary
-from engine.safetensors_files import CheckpointFiles, StoredTensor
 from engine.state_cache import StateLayout
-from engine.weight_names import EXPERT_PARAMS
 
 _SHORT_DTYPES = {
     torch.float32: "f32",

@@ -1,0 +1,128 @@
+"""ModelRunner: runs the model on the engine's state and samples the next tokens.
+
+Prepares a step's inputs from the sequences the scheduler picked, runs the model over the
+StateCache (or, for a decode step, the compiled decode graphs it holds), and samples from
+the logits; it also computes every position's logits of a prompt outside the scheduler
+(`score`, `prompt_logprobs`). It keeps no requests and allocates no state: which sequences
+run is the engine's to say, and their slots and blocks come from the KV manager.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+
+import torch
+
+from engine.backends import keep_freed_memory_in_process, select_backend
+from engine.compiled_decode import CompiledDecode, DecodeOutput
+from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
+from engine.sampler import Grammars, Sampler
+from engine.sequence import Sequence, TokenLogprobs
+from engine.state_cache import StateCache
+
+Sampled = tuple[list[int], list[float], list[list[tuple[int, float]] | None]]  # tokens, logprobs, top logprobs
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        cache: StateCache,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kernel_backend: str | None,
+        compile_decode: bool,
+        on_compile_progress: Callable[[int, int], None] | None = None,
+    ):
+        """`compile_decode`: run decode steps as compiled graphs (engine/compiled_decode.py), compiled
+        or loaded from the disk cache in the background from here on; a step whose batch's graph is
+        not ready yet runs eager, as every step does where compiling is unavailable."""
+        self.model = model
+        self.cache = cache
+        self.device = model.lm_head.weight.device
+        keep_freed_memory_in_process()
+        self.backend = select_backend(self.device, kernel_backend)
+        model.use_backend(self.backend)
+        model.merge_projections()
+        self.sampler = Sampler()
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.compiled_decode = (
+            CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress) if compile_decode else None
+        )
+
+    # -- a scheduled step -----------------------------------------------------------------------
+
+    def forward(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[torch.Tensor, DecodeOutput | None]:
+        """Compute the scheduled tokens: each sequence's last hidden state of the step [len(seqs), hidden],
+        and, from a compiled decode step, their logits too (else None)."""
+        compiled = self.compiled_decode
+        if compiled is not None and all(n == 1 for n in num_tokens) and compiled.is_ready(len(seqs)):
+            decoded = compiled(
+                [seq.tokens_between(seq.num_computed, seq.num_computed + 1)[0] for seq in seqs],
+                [seq.num_computed for seq in seqs],
+                [seq.slot for seq in seqs],
+                [seq.block_table for seq in seqs],
+            )
+            return decoded.hidden, decoded
+        slices, token_ids, ends = [], [], []
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
+            token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
+            ends.append(len(token_ids) - 1)
+        step = StepInput.of(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
+        return self.model(step, self.cache)[ends].clone(), None  # each sequence's last token of the step
+
+    def sample(
+        self,
+        sampled: list[Sequence],
+        rows: list[torch.Tensor],
+        grammars: Grammars | None,
+        step_seqs: list[Sequence],
+        decoded: DecodeOutput | None,
+    ) -> Sampled:
+        """The next token of each `sampled` sequence from its last hidden state (`rows`), or from
+        the logits the compiled decode step computed for the step's sequences (`step_seqs`)."""
+        # the graph's logits when the sampled rows are its rows: not with a prompt chunk among them, nor
+        # with a request sampled from its stored hidden state
+        if decoded is not None and len(sampled) == len(step_seqs) and all(map(operator.is_, sampled, step_seqs)):
+            return self.sampler(decoded.logits, sampled, grammars, decoded.normalizer, decoded.argmax)
+        return self.sampler(self.model.compute_logits(torch.stack(rows)), sampled, grammars)
+
+    # -- prompts outside the scheduler --------------------------------------------------------
+
+    def score(self, tokens: list[int], slot: int, blocks: list[int]) -> torch.Tensor:
+        """Logits [len(tokens), vocab] (fp32) of every prompt position, computed in chunks."""
+        return torch.cat(list(self._chunk_logits(tokens, slot, blocks)))
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, tokens: list[int], top: int, slot: int, blocks: list[int]) -> list[TokenLogprobs | None]:
+        """Per prompt position, the logprob of its token given the ones before it and the `top`
+        most likely tokens there (None at position 0: nothing comes before it). One pass over
+        the prompt, out of the scheduler (as `score`), keeping one chunk's logits at a time."""
+        entries: list[TokenLogprobs | None] = [None]
+        start = 0
+        for logits in self._chunk_logits(tokens, slot, blocks):
+            logprobs = logits.log_softmax(dim=-1)
+            # row i predicts token start + i + 1; the last row of the prompt predicts nothing
+            following = torch.tensor(tokens[start + 1 : start + 1 + len(logits)], device=logits.device)
+            chosen = logprobs[: len(following)].gather(1, following.unsqueeze(1)).squeeze(1).tolist()
+            values, ids = logprobs[: len(following)].topk(top, dim=-1) if top else (None, None)
+            for row, logprob in enumerate(chosen):
+                best = list(zip(ids[row].tolist(), values[row].tolist(), strict=True)) if top else []
+                entries.append((logprob, best))
+            start += len(logits)
+        return entries
+
+    @torch.inference_mode()
+    def _chunk_logits(self, tokens: list[int], slot: int, blocks: list[int]) -> Iterator[torch.Tensor]:
+        """The logits [chunk, vocab] (fp32) of every prompt position, one engine chunk at a time, in
+        a slot and blocks (`KVManager.scratch_state`) no request uses."""
+        for start in range(0, len(tokens), self.max_num_batched_tokens):
+            chunk = tokens[start : start + self.max_num_batched_tokens]
+            step = StepInput.of(
+                torch.tensor(chunk, dtype=torch.long, device=self.device),
+                [SeqSlice(slot, start, len(chunk), blocks)],
+            )
+            yield self.model.compute_logits(self.model(step, self.cache))
