@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache_svc.catalog import Catalog, Entry
-from cache_svc.prefix import anchor_key, block_key, chain
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
 from common import metrics
 from common.api import TENANT_PATTERN
 from common.blocks import BLOCK_SIZE
+from common.prefixes import anchor_key, block_key, chain
 from common.settings import Settings
 
 log = logging.getLogger(__name__)

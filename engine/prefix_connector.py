@@ -17,10 +17,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cache_svc.prefix import namespace_of
 from cache_svc.retention import Retention
 from cache_svc.store import PrefixMatch, StateBlobs, Stored
 from common import metrics
+from common.prefixes import namespace_of
 from common.tracing import SpanKind, job_span
 from engine.state_transfer import SnapshotError, StateSnapshot
 

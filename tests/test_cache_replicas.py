@@ -102,7 +102,7 @@ def test_replica_b_hits_what_replica_a_stored_and_a_restart_keeps_it(caches, tin
 
 
 def lookup_args(engine: LLMEngine, prompt: list[int]) -> tuple[str, list[int], int]:
-    from cache_svc.prefix import namespace_of
+    from common.prefixes import namespace_of
 
     return namespace_of(engine.layout), prompt, len(prompt)
 
@@ -204,7 +204,7 @@ def test_a_longer_stored_prefix_is_loaded_only_if_that_beats_computing_what_it_a
     computing the whole stored prefix is slower than loading it but computing what it adds to
     the 300 is quicker: the replica computes those and loads nothing. One that holds nothing
     loads it."""
-    from cache_svc.prefix import namespace_of
+    from common.prefixes import namespace_of
 
     store = scratch_store(tmp_path)
     first, more, rest = random_prompts([300, 40, 10], seed=9)
