@@ -34,6 +34,7 @@ from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
 from common import metrics
 from common.api import TENANT_PATTERN
 from common.blocks import BLOCK_SIZE
+from common.cache_entries import PrefixMatch, StateBlobs, Stored
 from common.prefixes import anchor_key, block_key, chain
 from common.settings import Settings
 
@@ -50,41 +51,6 @@ def checksum_of(data: bytes) -> str:
 
 class InvalidEntry(ValueError):
     """What no engine could have sent: refused before it is stored for others to load."""
-
-
-@dataclass
-class StateBlobs:
-    """An entry's bytes as the engine gave them: its head blob and one blob per full block."""
-
-    head: bytes
-    blocks: list[bytes]
-
-    @property
-    def size(self) -> int:
-        return len(self.head) + sum(map(len, self.blocks))
-
-
-@dataclass
-class Stored:
-    key: str
-    checksum: str  # of the head blob
-    num_tokens: int
-    expires_at: float
-    size: int  # the whole entry: its head and all its blocks
-    new_bytes: int  # bytes written: the head and the blocks no other entry had stored
-
-
-@dataclass
-class PrefixMatch:
-    """The longest usable stored prefix of a prompt (key None: none) and, beyond it, how many
-    of the prompt's tokens are covered by blocks other prompts stored: where they diverge."""
-
-    key: str | None = None
-    num_tokens: int = 0
-    shared_tokens: int = 0
-    size: int = 0  # bytes to load: head and blocks
-    load_seconds: float = 0.0  # estimated from the tiers holding it
-    miss_reason: str | None = None
 
 
 @dataclass

@@ -13,8 +13,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from cache_svc.retention import Retention
-from cache_svc.store import StateStore
 from common import metrics
 from common.api import error_body, server_error_kind
 from common.bus import Bus, Record
@@ -28,12 +26,14 @@ from common.messages import (
     payload_of,
 )
 from common.replicas import ReplicaTable
+from common.retention import Retention
 from common.routing import Route, Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, start_span, within
 from common.worker import EarlyCancels, EngineWorker
 from engine import EngineError, LLMEngine, SamplingParams, StateSnapshot
 from engine.prefix_connector import PrefixConnector
+from engine.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class DecodeWorker(EngineWorker):
         bus: Bus,
         topic_prefix: str,
         engine: LLMEngine,
-        store: StateStore,
+        store: PrefixStore,
         retention: Retention | None = None,
         fetch_threads: int = 2,
         replicas: ReplicaTable | None = None,

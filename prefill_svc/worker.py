@@ -18,11 +18,10 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from cache_svc.retention import Retention
-from cache_svc.store import PrefixMatch, StateStore, Stored
 from common import metrics
 from common.api import error_body
 from common.bus import Bus, Record
+from common.cache_entries import PrefixMatch, Stored
 from common.messages import (
     BadMessage,
     DecodePayload,
@@ -36,12 +35,14 @@ from common.messages import (
     payload_of,
 )
 from common.replicas import ReplicaTable
+from common.retention import Retention
 from common.routing import Route, Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, sender_span, start_span, within
 from common.worker import EarlyCancels, EngineWorker
 from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
 from engine.prefix_connector import PrefixConnector
+from engine.prefix_store import PrefixStore
 
 
 @dataclass
@@ -90,7 +91,7 @@ class PrefillWorker(EngineWorker):
         bus: Bus,
         topic_prefix: str,
         engine: LLMEngine,
-        store: StateStore,
+        store: PrefixStore,
         lease_seconds: float = 600,
         retention: Retention | None = None,
         anchor_interval: int = 1024,
