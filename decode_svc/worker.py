@@ -25,6 +25,7 @@ from common.messages import (
     WarmPayload,
     payload_of,
 )
+from common.moving_average import MovingAverage
 from common.replicas import ReplicaTable
 from common.retention import Retention
 from common.routing import Route, Router
@@ -69,7 +70,7 @@ class DecodeWorker(EngineWorker):
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()
         self.loaded = self.recomputed = 0
-        self.step_seconds = 0.0  # measured, for the load reports
+        self.step_time = MovingAverage(0.1)  # seconds per engine step, for the load reports
 
     @property
     def busy(self) -> bool:
@@ -216,7 +217,7 @@ class DecodeWorker(EngineWorker):
         outputs = self.step_engine()
         elapsed = time.perf_counter() - started
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(elapsed)
-        self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
+        self.step_time.observe(elapsed)
         step: list[tuple[Envelope, dict[str, bytes]]] = []
         finished: list[tuple[str, _Job, str, StateSnapshot | None]] = []
         for out in outputs:
@@ -243,7 +244,7 @@ class DecodeWorker(EngineWorker):
         return router.decode(job_id, len(payload.prompt_token_ids) + payload.sampling.max_tokens, rerouted=True)
 
     def speeds(self) -> dict[str, float]:
-        return {"step_seconds": self.step_seconds}
+        return {"step_seconds": self.step_time.value}
 
     def _finish(self, job_id: str, job: _Job, outcome: str, final_state: StateSnapshot | None = None) -> None:
         """Close the job's span, let its record be committed, and store its final state as a

@@ -34,6 +34,7 @@ from common.messages import (
     WarmPayload,
     payload_of,
 )
+from common.moving_average import MovingAverage
 from common.replicas import ReplicaTable
 from common.retention import Retention
 from common.routing import Route, Router
@@ -112,8 +113,8 @@ class PrefillWorker(EngineWorker):
         self.warmer = ThreadPoolExecutor(1, thread_name_prefix="prefill-warm")
         self.warming: list[tuple[str, Future[StateSnapshot | None]]] = []  # (tenant, its load)
         self.cancelled = EarlyCancels()
-        self.tokens_per_second = 0.0  # measured prefill speed, against which a load is weighed
-        self.load_tokens_per_second = 0.0  # measured speed of prefix loads from the cache service
+        self.compute_speed = MovingAverage(0.1)  # prefill tokens per second, against which a load is weighed
+        self.load_speed = MovingAverage(0.1)  # tokens per second of prefix loads from the cache service
 
     @property
     def busy(self) -> bool:
@@ -221,9 +222,7 @@ class PrefillWorker(EngineWorker):
                 job_id, payload.tenant, payload.retention, prompt, lambda m: self._too_slow_to_load(m, held), held
             )
         if snapshot is not None:  # what routers weigh a load from the cache service by
-            speed = snapshot.num_computed / max(time.perf_counter() - started, 1e-6)
-            known = self.load_tokens_per_second
-            self.load_tokens_per_second = speed if not known else 0.9 * known + 0.1 * speed
+            self.load_speed.observe(snapshot.num_computed / max(time.perf_counter() - started, 1e-6))
         return _Fetched(snapshot, match)
 
     def _admit(self, job_id: str, job: _Job) -> None:
@@ -275,9 +274,9 @@ class PrefillWorker(EngineWorker):
         """Load or recompute: skip a prefix whose load would take longer than computing the tokens
         it adds to the `held` ones the engine has in its own memory, at the speed this worker
         measured (unmeasured yet: load)."""
-        if self.tokens_per_second <= 0:
+        if self.compute_speed.value <= 0:
             return False
-        return match.load_seconds > (match.num_tokens - held) / self.tokens_per_second
+        return match.load_seconds > (match.num_tokens - held) / self.compute_speed.value
 
     @property
     def urgent(self) -> bool:
@@ -297,8 +296,7 @@ class PrefillWorker(EngineWorker):
         elapsed = time.perf_counter() - started
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(elapsed)
         if self.engine.last_step_tokens > 1 and elapsed > 0:
-            speed = self.engine.last_step_tokens / elapsed
-            self.tokens_per_second = speed if not self.tokens_per_second else 0.9 * self.tokens_per_second + 0.1 * speed
+            self.compute_speed.observe(self.engine.last_step_tokens / elapsed)
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
@@ -410,7 +408,7 @@ class PrefillWorker(EngineWorker):
         return waiting
 
     def speeds(self) -> dict[str, float]:
-        return {"tokens_per_second": self.tokens_per_second, "load_tokens_per_second": self.load_tokens_per_second}
+        return {"tokens_per_second": self.compute_speed.value, "load_tokens_per_second": self.load_speed.value}
 
     def _done(self, job_id: str) -> None:
         """The job has left this stage: its record may be committed."""

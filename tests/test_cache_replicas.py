@@ -49,7 +49,8 @@ def prefill_once(
         bus, prefix = MemoryBus(), f"r{uuid.uuid4().hex[:6]}."
         bus.create_topics(all_topic_names(prefix), 1)
         worker = PrefillWorker(bus, prefix, engine, StateClient(cache) if isinstance(cache, str) else cache)
-        worker.tokens_per_second = tokens_per_second  # as if measured: what a load is weighed against
+        if tokens_per_second:  # as if measured: what a load is weighed against
+            worker.compute_speed.observe(tokens_per_second)
     bus, prefix = worker.bus, worker.prefix
     handoffs = bus.consumer([topic_name(Topic.DECODE, prefix)], f"test-{uuid.uuid4().hex[:6]}", from_beginning=False)
     payload = PrefillPayload(
