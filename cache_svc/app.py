@@ -30,7 +30,8 @@ from pydantic import BaseModel, Field
 
 from cache_svc import wire
 from cache_svc.maintenance import TASKS, run_task
-from cache_svc.store import InvalidEntry, StateBlobs, StateStore, checksum_of
+from cache_svc.store import InvalidEntry, StateStore, checksum_of
+from common.cache_entries import StateBlobs
 from common.tracing import http_telemetry
 
 MAX_SECONDS = 366 * 86400

@@ -1,6 +1,6 @@
-"""The cache service's HTTP API behind the same interface as StateStore, for prefill and decode
-replicas on other hosts. Every call is best effort: an unreachable cache is a miss, never an
-error for the request."""
+"""The cache service's HTTP API behind the same interface as StateStore (the engine side's
+PrefixStore, engine/prefix_store.py), for prefill and decode replicas on other hosts. Every
+call is best effort: an unreachable cache is a miss, never an error for the request."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import httpx
 from opentelemetry import propagate
 
 from cache_svc import wire
-from cache_svc.store import PrefixMatch, StateBlobs, Stored, checksum_of
+from cache_svc.store import checksum_of
+from common.cache_entries import PrefixMatch, StateBlobs, Stored
 
 log = logging.getLogger(__name__)
 

@@ -26,15 +26,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from cache_svc.catalog import Catalog, Entry
-from cache_svc.prefix import anchor_key, block_key, chain
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
 from common import metrics
 from common.api import TENANT_PATTERN
 from common.blocks import BLOCK_SIZE
+from common.cache_entries import PrefixMatch, StateBlobs, Stored
+from common.moving_average import MovingAverage
+from common.prefixes import anchor_key, block_key, chain
 from common.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,56 +53,6 @@ class InvalidEntry(ValueError):
     """What no engine could have sent: refused before it is stored for others to load."""
 
 
-@dataclass
-class StateBlobs:
-    """An entry's bytes as the engine gave them: its head blob and one blob per full block."""
-
-    head: bytes
-    blocks: list[bytes]
-
-    @property
-    def size(self) -> int:
-        return len(self.head) + sum(map(len, self.blocks))
-
-
-@dataclass
-class Stored:
-    key: str
-    checksum: str  # of the head blob
-    num_tokens: int
-    expires_at: float
-    size: int  # the whole entry: its head and all its blocks
-    new_bytes: int  # bytes written: the head and the blocks no other entry had stored
-
-
-@dataclass
-class PrefixMatch:
-    """The longest usable stored prefix of a prompt (key None: none) and, beyond it, how many
-    of the prompt's tokens are covered by blocks other prompts stored: where they diverge."""
-
-    key: str | None = None
-    num_tokens: int = 0
-    shared_tokens: int = 0
-    size: int = 0  # bytes to load: head and blocks
-    load_seconds: float = 0.0  # estimated from the tiers holding it
-    miss_reason: str | None = None
-
-
-@dataclass
-class _Speed:
-    """Exponentially weighted read speed of a tier."""
-
-    bytes_per_second: float
-    samples: int = 0
-
-    def observe(self, size: int, seconds: float) -> None:
-        if size < 4096 or seconds <= 0:  # tiny reads measure overheads, not speed
-            return
-        speed = size / seconds
-        self.bytes_per_second = speed if self.samples == 0 else 0.8 * self.bytes_per_second + 0.2 * speed
-        self.samples += 1
-
-
 class StateStore:
     def __init__(
         self, catalog: Catalog, tiers: list[Tier], clock: Callable[[], float] = time.time, replica: str = "local"
@@ -116,7 +67,8 @@ class StateStore:
         self.replica = replica
         self._lock = threading.RLock()
         self._dirty: dict[str, None] = {}  # written to T1, not yet to the tiers below (ordered set)
-        self.speeds = {t.name: _Speed(ASSUMED_READ_SPEED.get(t.name, DEFAULT_READ_SPEED)) for t in tiers}
+        # each tier's read speed in bytes per second
+        self.speeds = {t.name: MovingAverage(0.2, ASSUMED_READ_SPEED.get(t.name, DEFAULT_READ_SPEED)) for t in tiers}
         for tier in tiers:
             tier.load()
             metrics.CACHE_TIER_BYTES.labels(tier.name).set_function(lambda t=tier: t.used_bytes)
@@ -377,7 +329,7 @@ class StateStore:
                     "entries": len(t.lru),
                     "bytes": t.used_bytes,
                     "capacity_bytes": t.capacity_bytes,
-                    "read_bytes_per_second": round(self.speeds[t.name].bytes_per_second),
+                    "read_bytes_per_second": round(self.speeds[t.name].value),
                 }
                 for t in self.tiers
             ],
@@ -401,7 +353,8 @@ class StateStore:
                 continue
             seconds = time.perf_counter() - started
             metrics.CACHE_LOAD_SECONDS.labels(tier.name).observe(seconds)
-            self.speeds[tier.name].observe(len(data), seconds)
+            if len(data) >= 4096 and seconds > 0:  # tiny reads measure overheads, not speed
+                self.speeds[tier.name].observe(len(data) / seconds)
             if checksum_of(data) != entry.checksum:
                 log.warning("cache blob %s in %s fails its checksum: removed", entry.key, tier.name)
                 return None, "corrupt"
@@ -425,8 +378,8 @@ class StateStore:
     def _speed_of(self, key: str) -> float:
         for tier in self.tiers:
             if tier.holds(key):
-                return self.speeds[tier.name].bytes_per_second
-        return self.speeds[self.tiers[-1].name].bytes_per_second
+                return self.speeds[tier.name].value
+        return self.speeds[self.tiers[-1].name].value
 
     def _make_room(self, level: int) -> tuple[int, int]:
         """Demote T[level]'s least recently used blobs until it fits (or drop them, from the last tier)."""

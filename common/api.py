@@ -15,10 +15,10 @@ import re
 from typing import Any
 
 from common.messages import ResultPayload
+from common.retention import RETENTION_CLASSES
 
 ENDPOINTS = ("chat.completions", "responses", "messages", "completions")
 RESPONSE_ID_PREFIX = {"chat.completions": "chatcmpl", "responses": "resp", "messages": "msg", "completions": "cmpl"}
-RETENTION_CLASSES = ("agent", "chat")
 # Anthropic Messages, the protocol of coding agents, is `agent`; the OpenAI protocols are `chat`.
 DEFAULT_RETENTION = {"messages": "agent", "chat.completions": "chat", "responses": "chat", "completions": "chat"}
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")

@@ -1,11 +1,32 @@
-"""Keys of token prefixes, as tier 0 (engine/resident_prefixes.py) files them and as a router
-looks for them in a replica's load report: both sides must compute the same bytes.
+"""Keys of token prefixes: the one place that says how a prefix of a prompt is named.
 
-A report lists each prefix with the key of its full blocks too (its first n // BLOCK_SIZE *
-BLOCK_SIZE tokens, its "base"). A router hashes a prompt once at its block boundaries and
-checks a prefix's own key only where the prompt has the same base: prefixes that share a long
-system prompt with the prompt but not the conversation after it are ruled out by their base,
-so a decision stays well under a millisecond however many prefixes sixteen replicas hold."""
+Two hashes live here, for two kinds of holder, both over the same token encoding (uint32 ids)
+and the same 128-token block (common/blocks.py):
+
+Cache keys (the KV cache service, cache_svc/store.py): a hash chain over full blocks. A
+prompt's full 128-token blocks form a chain: each link hashes the previous link and the
+block's token ids, starting from the namespace (`namespace_of`: the engine's state layout and
+the tenant), so equal prefixes give equal keys only for the same model, state format and
+tenant, and one tenant's prompts never match another's. A block's compressed state is stored
+once under the link that ends it (`block_key`), shared by every conversation that starts the
+same way. An anchor (a prefix of any length, such as the end of a request's input) is keyed by
+the link of its full blocks, its tail tokens and its length (`anchor_key`); the catalog
+(cache_svc/catalog.py) records each anchor under its link, so that a lookup finds, among the
+anchors under a prompt's links, the longest that matches. Why a chain: blocks are stored once
+and looked up by link in the catalog. These keys are persisted (catalog rows, blobs on disk
+and in the shared tier): changing this hash would orphan every stored entry.
+
+Resident keys (tier 0, engine/resident_prefixes.py, and the routers, common/routing.py): one
+sha256 of the namespace (the tenant) and an exact token sequence (`prefix_key`). A report
+lists each prefix with the key of its full blocks too (its first n // BLOCK_SIZE * BLOCK_SIZE
+tokens, its "base"). A router hashes a prompt once at its block boundaries and checks a
+prefix's own key only where the prompt has the same base: prefixes that share a long system
+prompt with the prompt but not the conversation after it are ruled out by their base, so a
+decision stays well under a millisecond however many prefixes sixteen replicas hold. Why a
+flat hash: one incremental pass gives the keys at every length asked (`PromptKeys`), and
+both sides must compute the same bytes. These keys live only in an engine's memory and in
+load reports (gone within a minute), so nothing stored depends on them.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +35,42 @@ from array import array
 from collections.abc import Iterable, Sequence
 
 from common.blocks import BLOCK_SIZE
+
+# -- cache keys: a hash chain over full blocks, per namespace (layout/tenant) ----------------------
+
+
+def namespace_of(layout: str, tenant: str = "default") -> str:
+    """Prefixes match only within one engine state layout and one tenant."""
+    return f"{layout}/{tenant}"
+
+
+def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
+    return array("I", token_ids).tobytes()
+
+
+def chain(token_ids: Sequence[int], namespace: str) -> list[bytes]:
+    """Links of the hash chain: [root, after block 1, after block 2, ...] over the full blocks."""
+    links = [hashlib.sha256(namespace.encode()).digest()]
+    for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        links.append(hashlib.sha256(links[-1] + _tokens_bytes(token_ids[start : start + BLOCK_SIZE])).digest())
+    return links
+
+
+def anchor_key(token_ids: Sequence[int], namespace: str, links: list[bytes] | None = None) -> str:
+    """The store key of the state after exactly these tokens."""
+    length = len(token_ids)
+    full = length // BLOCK_SIZE
+    link = (links or chain(token_ids, namespace))[full]
+    tail = token_ids[full * BLOCK_SIZE :]
+    return "anchor-" + hashlib.sha256(link + length.to_bytes(8, "little") + _tokens_bytes(tail)).hexdigest()
+
+
+def block_key(link: bytes) -> str:
+    """The store key of a full block's compressed state: the chain link that ends with it."""
+    return "block-" + link.hex()
+
+
+# -- resident keys: one hash of a namespace's (tenant's) exact tokens, at any length --------------
 
 
 def base_length(num_tokens: int) -> int:

@@ -21,11 +21,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from common import metrics
 from common.bus import Bus, Headers, Record, produce_everywhere
-from common.messages import BadMessage, DeadLetter, Envelope, decode
+from common.cache_entries import Stored
+from common.messages import BadMessage, DeadLetter, DecodePayload, Envelope, PrefillPayload, decode, payload_of
 from common.replicas import REPORT_SECONDS, LoadReport, ReplicaTable, Reporter, replica_name
 from common.routing import Route, Router
 from common.topics import Topic, topic_name
@@ -279,18 +280,75 @@ class Worker:
 ROUTED_TO = "deepmesh-replica"  # header of a routed job's record: the replica it was sent to
 
 
-class EngineWorker(Worker):
+class StageEngine(Protocol):
+    """What an EngineWorker asks of its engine: the public API of engine.LLMEngine that workers
+    use (its methods "for workers" and its requests in and outputs out). common imports no
+    engine code, so the shape is stated here and LLMEngine has it."""
+
+    def step(self) -> list[Any]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def hold_low_priority(self, hold: bool) -> None: ...
+
+    def num_waiting(self) -> int: ...
+
+    def num_running(self) -> int: ...
+
+    def num_free_blocks(self) -> int: ...
+
+    def num_blocks(self) -> int: ...
+
+    def num_free_slots(self) -> int: ...
+
+    def max_slots(self) -> int: ...
+
+    def resident_summary(self, limit: int = 256) -> list[tuple[int, str, str]]: ...
+
+
+class StateSaver(Protocol):
+    """Where an EngineWorker stores states: engine.prefix_connector.PrefixConnector."""
+
+    def save(
+        self, job_id: str, tenant: str, retention_class: str, snapshot: Any, lease_seconds: float = 0.0
+    ) -> Stored | None: ...
+
+
+class EngineJob(Protocol):
+    """A job an EngineWorker holds: its span, and its fetch until the cache has answered for it."""
+
+    span: Span
+    fetch: Future[Any] | None
+
+
+JobT = TypeVar("JobT", bound=EngineJob)
+PayloadT = TypeVar("PayloadT", PrefillPayload, DecodePayload)
+
+
+class EngineWorker(Worker, Generic[JobT, PayloadT]):
     """A worker whose jobs run in an engine (prefill, decode): `jobs` maps a job id to its state,
     which has the job's `span` and, until the cache has answered for it, its `fetch` (a future
     from a fetch thread); `engine` holds a request per admitted job under the same id.
+
+    Every engine stage takes its jobs in the same way (`handle`): a record is decoded (one no
+    worker can use is dead-lettered), a cancel stops its job (`cancel`), a replay of a job here
+    or a job cancelled before it came is passed over, a job meant for a replica that left goes
+    on to another, and any other job is taken in (`arrived`, the stage's own) and its state
+    fetched on a fetch thread (`_fetch`), then admitted to the engine once there (`_admit`).
 
     It is a replica of its stage: it reports its load (common/replicas.py) under its name, and,
     given the table of reports (`replicas`), sends a job that reaches it in a partition it took
     over from another replica to the replica with room for it now."""
 
-    engine: Any
-    jobs: dict[str, Any]
-    cache: Any  # engine.prefix_connector.PrefixConnector
+    job_type: str  # the envelope type of this stage's jobs, on its topic
+    payload_type: type[PayloadT]
+    other_types: tuple[str, ...] = ()  # other envelope types on its topic: `other_message`
+    engine: StageEngine
+    cache: StateSaver
 
     # set by run_workers when engines share a thread: whether one of them holds interactive work
     # on its way to its first token (then every engine steps interactive work only)
@@ -298,11 +356,13 @@ class EngineWorker(Worker):
 
     def step_engine(self) -> list:
         """One engine step, asking first whether batch work must wait (see `hold`)."""
-        self.engine.scheduler.hold_low_priority = self.hold is not None and self.hold()
+        self.engine.hold_low_priority(self.hold is not None and self.hold())
         return self.engine.step()
 
     def __init__(self, bus: Bus, topic_prefix: str, fetch_threads: int = 2, replicas: ReplicaTable | None = None):
         super().__init__(bus, topic_prefix)
+        self.jobs: dict[str, JobT] = {}
+        self.cancelled = EarlyCancels()
         self.fetch_threads = fetch_threads
         # loads and stores of interactive jobs, and of batch jobs: apart, so that an interactive
         # job's never waits in a queue behind batch work's
@@ -324,24 +384,89 @@ class EngineWorker(Worker):
             self._reported_at = now
             self.report = self.load_report()
 
+    def handle(self, records: list[Record]) -> None:
+        for record in records:
+            try:
+                envelope = self.job_message(record, self.job_type, also=self.other_types)
+                if envelope is None:
+                    continue
+                if envelope.type != self.job_type:
+                    self.other_message(record, envelope)
+                    self.watermarks.seen(record)
+                    continue
+                payload = payload_of(envelope, self.payload_type)
+            except BadMessage as err:
+                self.dead_letter(record, err)
+                continue
+            job_id = envelope.job_id
+            if job_id in self.jobs:  # a replay
+                self.passed_over(job_id, payload)
+                self.watermarks.seen(record)
+                continue
+            if self.cancelled.take(job_id):  # cancelled before it came
+                self.passed_over(job_id, payload)
+                self.end_here(job_id)
+                self.watermarks.seen(record)
+                continue
+            if self.rerouted(record, envelope, payload):
+                continue
+            job = self.jobs[job_id] = self.arrived(record, envelope, payload)
+            job.fetch = self.fetch_pool(payload.priority).submit(self._fetch, job_id, job)
+            self.watermarks.hold(record, job_id)
+        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
+
+    def arrived(self, record: Record, envelope: Envelope, payload: PayloadT) -> JobT:
+        """A new job for this stage: its state here, with its span started (its fetch follows)."""
+        raise NotImplementedError
+
+    def _fetch(self, job_id: str, job: JobT) -> Any:
+        """On a fetch thread: what the job needs from the cache before the engine takes it (no
+        engine work here: the engine has one thread); `_admit` gets it."""
+        raise NotImplementedError
+
+    def other_message(self, record: Record, envelope: Envelope) -> None:
+        """A message of one of `other_types` (BadMessage if its payload is not one)."""
+        raise BadMessage(f"envelope type {envelope.type!r} is not handled on the {self.job_type} topic")
+
+    def passed_over(self, job_id: str, payload: PayloadT) -> None:
+        """A job's message that will not run here: a replay of a job here, or a job cancelled
+        before it came."""
+
+    def cancel(self, job_id: str) -> None:
+        """Stop a job now, wherever it is here; a cancel that comes first drops it on arrival."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            self.cancelled.add(job_id)
+            return
+        if job.fetch is None and self.cancel_started(job_id, job):
+            return
+        self.drop(job_id)
+        self.end_here(job_id)
+        self.watermarks.release(job_id)
+
+    def cancel_started(self, job_id: str, job: JobT) -> bool:
+        """Stop a job the engine has (its fetch is done) the stage's own way; False: it is dropped
+        as one not started."""
+        return False
+
     def load_report(self) -> LoadReport:
         """What this replica holds and has room for, read on its own thread."""
         topic = self.topic(self.topics[0])
-        engine, scheduler = self.engine, self.engine.scheduler
+        engine = self.engine
         fetching = sum(1 for job in self.jobs.values() if job.fetch is not None)
         report = LoadReport(
             replica=self.replica,
             stage=self.group,
             partitions=sorted(part for t, part in self._owned if t == topic),
             consumed=self.watermarks.taken(topic),
-            queued_jobs=fetching + len(scheduler.waiting),
-            running_jobs=len(scheduler.running),
+            queued_jobs=fetching + engine.num_waiting(),
+            running_jobs=engine.num_running(),
             queued_tokens=self.queued_tokens(),
-            free_blocks=engine.cache.block_allocator.num_free,
-            total_blocks=engine.cache.num_blocks,
-            free_slots=engine.cache.num_free_slots,
-            max_slots=engine.cache.max_seqs,
-            resident=engine.resident.summary(),
+            free_blocks=engine.num_free_blocks(),
+            total_blocks=engine.num_blocks(),
+            free_slots=engine.num_free_slots(),
+            max_slots=engine.max_slots(),
+            resident=engine.resident_summary(),
             **self.speeds(),
         )
         for measure in ("queued_jobs", "running_jobs", "queued_tokens", "free_blocks", "free_slots"):
@@ -356,11 +481,11 @@ class EngineWorker(Worker):
         """What this replica measured of its speed, by LoadReport field."""
         return {}
 
-    def route_again(self, router: Router, job_id: str, payload: Any) -> Route:
+    def route_again(self, router: Router, job_id: str, payload: PayloadT) -> Route:
         """Where this stage's router would send the job now."""
         raise NotImplementedError
 
-    def rerouted(self, record: Record, envelope: Envelope, payload: Any) -> bool:
+    def rerouted(self, record: Record, envelope: Envelope, payload: PayloadT) -> bool:
         """Whether a job that was sent to another replica went on to the replica chosen for it
         now: it is in a partition this replica took over when that one left. Handled here
         (False) when this replica is the choice, or when nothing routes (no table of reports)."""
@@ -394,11 +519,12 @@ class EngineWorker(Worker):
         state: Any,
         lease_seconds: float = 0.0,
         priority: str = "interactive",
-    ) -> Future:
-        """Store a state where a longer prompt that starts with its tokens can resume, on a fetch
-        thread (the engine goes on meanwhile); the future gives the stored entry, or None."""
+    ) -> Future[Stored | None]:
+        """Store a state (an engine StateSnapshot) where a longer prompt that starts with its tokens
+        can resume, on a fetch thread (the engine goes on meanwhile); the future gives the stored
+        entry, or None."""
 
-        def save() -> Any:
+        def save() -> Stored | None:
             with within(span, job_id):
                 return self.cache.save(job_id, tenant, retention, state, lease_seconds)
 
@@ -425,7 +551,7 @@ class EngineWorker(Worker):
             if job.fetch is not None and job.fetch.done():
                 self._admit(job_id, job)
 
-    def _admit(self, job_id: str, job: Any) -> None:
+    def _admit(self, job_id: str, job: JobT) -> None:
         raise NotImplementedError
 
     def end_here(self, job_id: str) -> None:
@@ -439,7 +565,7 @@ class EngineWorker(Worker):
         job = self.jobs.pop(job_id, None)
         if job is None:
             return False
-        if job_id in self.engine.seqs:
+        if self.engine.has_request(job_id):
             self.engine.abort(job_id)
         with within(job.span, job_id, end=True):
             job.span.set_attribute("deepmesh.finish", "dropped")

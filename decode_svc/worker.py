@@ -13,27 +13,26 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from cache_svc.retention import Retention
-from cache_svc.store import StateStore
 from common import metrics
 from common.api import error_body, server_error_kind
 from common.bus import Bus, Record
 from common.messages import (
-    BadMessage,
     DecodePayload,
     Envelope,
     ResultPayload,
     TokensPayload,
     WarmPayload,
-    payload_of,
 )
+from common.moving_average import MovingAverage
 from common.replicas import ReplicaTable
+from common.retention import Retention
 from common.routing import Route, Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, start_span, within
-from common.worker import EarlyCancels, EngineWorker
+from common.worker import EngineWorker
 from engine import EngineError, LLMEngine, SamplingParams, StateSnapshot
 from engine.prefix_connector import PrefixConnector
+from engine.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -48,28 +47,28 @@ class _Job:
     fetch: Future[StateSnapshot | None] | None = None  # until its state has been loaded (or found gone)
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(EngineWorker[_Job, DecodePayload]):
     topics = (Topic.DECODE,)
     group = "decode"
+    job_type = "decode"
+    payload_type = DecodePayload
 
     def __init__(
         self,
         bus: Bus,
         topic_prefix: str,
         engine: LLMEngine,
-        store: StateStore,
+        store: PrefixStore,
         retention: Retention | None = None,
         fetch_threads: int = 2,
         replicas: ReplicaTable | None = None,
     ):
         """`replicas`: the load reports by which a job meant for a replica that left goes on."""
         super().__init__(bus, topic_prefix, fetch_threads, replicas)
-        self.engine = engine
+        self.engine: LLMEngine = engine
         self.cache = PrefixConnector(store, engine.layout, retention)
-        self.jobs: dict[str, _Job] = {}
-        self.cancelled = EarlyCancels()
         self.loaded = self.recomputed = 0
-        self.step_seconds = 0.0  # measured, for the load reports
+        self.step_time = MovingAverage(0.1)  # seconds per engine step, for the load reports
         for index, state in enumerate(("ready", "planned")):
             graphs = metrics.DECODE_GRAPHS.labels(self.group, state)
             graphs.set_function(lambda index=index: engine.compile_progress()[index])
@@ -78,35 +77,20 @@ class DecodeWorker(EngineWorker):
     def busy(self) -> bool:
         return bool(self.jobs)
 
-    def handle(self, records: list[Record]) -> None:
-        for record in records:
-            try:
-                envelope = self.job_message(record, "decode")
-                if envelope is None:
-                    continue
-                payload = payload_of(envelope, DecodePayload)
-            except BadMessage as err:
-                self.dead_letter(record, err)
-                continue
-            job_id = envelope.job_id
-            cancelled = job_id not in self.jobs and self.cancelled.take(job_id)
-            if job_id in self.jobs or cancelled:
-                # a replay of a job here (a prefill did it twice), or one cancelled before it came:
-                # free the state prefill left for it
-                self._release(job_id, payload)
-                if cancelled:
-                    self.end_here(job_id)
-                self.watermarks.seen(record)
-                continue
-            if self.rerouted(record, envelope, payload):
-                continue
-            span = start_span(
-                "decode", job_id, context_of(record.headers), SpanKind.CONSUMER, **{"deepmesh.replica": self.replica}
-            )
-            job = self.jobs[job_id] = _Job(payload, span, record, headers_of(span))
-            job.fetch = self.fetch_pool(payload.priority).submit(self._fetch, job_id, job)
-            self.watermarks.hold(record, job_id)
-        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
+    def arrived(self, record: Record, envelope: Envelope, payload: DecodePayload) -> _Job:
+        span = start_span(
+            "decode",
+            envelope.job_id,
+            context_of(record.headers),
+            SpanKind.CONSUMER,
+            **{"deepmesh.replica": self.replica},
+        )
+        return _Job(payload, span, record, headers_of(span))
+
+    def passed_over(self, job_id: str, payload: DecodePayload) -> None:
+        """A replay of a job here (a prefill did it twice), or one cancelled before it came: free
+        the state prefill left for it."""
+        self._release(job_id, payload)
 
     def _fetch(self, job_id: str, job: _Job) -> StateSnapshot | None:
         """On a fetch thread: the prompt's state prefill stored, as this job's (None: recompute)."""
@@ -181,22 +165,15 @@ class DecodeWorker(EngineWorker):
         )
         self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=seq0.model_dump()), job.span)
 
-    def cancel(self, job_id: str) -> None:
-        """Stop a job now and free its state; a cancel that comes first stops the job on arrival."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            self.cancelled.add(job_id)
-            return
-        if job.fetch is not None:  # not started: nobody has seen a token of it
-            self.drop(job_id)
-            self.end_here(job_id)
-            self.watermarks.release(job_id)
-            return
+    def cancel_started(self, job_id: str, job: _Job) -> bool:
+        """A job decoding (its first token has gone out): it ends with a last tokens message. One
+        still loading is dropped: nobody has seen a token of it."""
         del self.jobs[job_id]
         self.engine.abort(job_id)
         tokens = TokensPayload(finished=True, finish_reason="abort")
         self.send(Topic.TOKENS, self._tokens_message(job, job_id, tokens), job.headers)
         self._finish(job_id, job, "cancelled")
+        return True
 
     def _release(self, job_id: str, payload: DecodePayload) -> None:
         """Unpin the prompt's entry prefill leased to this job: it will not be loaded."""
@@ -219,7 +196,7 @@ class DecodeWorker(EngineWorker):
         outputs = self.step_engine()
         elapsed = time.perf_counter() - started
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(elapsed)
-        self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
+        self.step_time.observe(elapsed)
         step: list[tuple[Envelope, dict[str, bytes]]] = []
         finished: list[tuple[str, _Job, str, StateSnapshot | None]] = []
         for out in outputs:
@@ -246,7 +223,7 @@ class DecodeWorker(EngineWorker):
         return router.decode(job_id, len(payload.prompt_token_ids) + payload.sampling.max_tokens, rerouted=True)
 
     def speeds(self) -> dict[str, float]:
-        return {"step_seconds": self.step_seconds}
+        return {"step_seconds": self.step_time.value}
 
     def _finish(self, job_id: str, job: _Job, outcome: str, final_state: StateSnapshot | None = None) -> None:
         """Close the job's span, let its record be committed, and store its final state as a

@@ -231,10 +231,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from cache_svc.retention import Retention
     from cache_svc.store import StateStore
     from common.bus import MemoryBus
     from common.claims import ClaimStore
+    from common.retention import Retention
     from common.settings import Settings
     from deepmesh.mesh import Mesh
     from engine.checkpoint.make_model import make_model
@@ -544,7 +544,7 @@ def _make_worker(command: str, bus, settings, model: Path, replicas, compile_dec
         codec = Codec.for_model(model, settings.served_model_name)
         return TokenizerWorker(bus, settings.topic_prefix, codec, replicas)
     from cache_svc.client import StateClient
-    from cache_svc.retention import Retention
+    from common.retention import Retention
     from engine import LLMEngine
 
     # decode never starts from a prefix, so it keeps none resident

@@ -12,10 +12,10 @@ import threading
 from pathlib import Path
 
 from cache_svc.maintenance import MaintenanceThread
-from cache_svc.retention import Retention
 from cache_svc.store import StateStore
 from common.bus import Bus
 from common.replicas import ReplicaTable, ReportListener
+from common.retention import Retention
 from common.topics import create_all
 from common.worker import Worker, run_workers
 from decode_svc.worker import DecodeWorker

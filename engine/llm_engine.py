@@ -500,6 +500,64 @@ class LLMEngine:
             raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return tokens
 
+    # -- for workers --------------------------------------------------------------------------
+    # What a service's worker asks of the engine beyond requests in and outputs out: its load,
+    # for the reports routers go by, and where a request stands. Workers use these, never the
+    # scheduler, the state cache, the resident prefixes or `seqs` themselves.
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is in the engine (waiting or running), not finished or aborted."""
+        return request_id in self.seqs
+
+    def request_seed(self, request_id: str) -> int:
+        """The seed a request samples with (its own, or the one drawn for it): decode continues
+        with it, so that a handed-over request samples as it would have here."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"no request {request_id!r} (finished, aborted or never added)")
+        return seq.seed
+
+    def prompt_tokens_left(self, request_id: str) -> int | None:
+        """Prompt tokens of a request still to compute (0 once it decodes); None: not in the engine."""
+        seq = self.seqs.get(request_id)
+        return None if seq is None else max(0, len(seq.prompt_token_ids) - seq.num_computed)
+
+    def resident_tokens(self, namespace: str, token_ids: SequenceOf[int]) -> int:
+        """How many of these tokens the longest prefix this engine holds in its own memory (tier 0)
+        in `namespace` covers: what a request starting with them would not compute (0: none)."""
+        entry = self.resident.longest(namespace, token_ids, len(token_ids))
+        return 0 if entry is None else entry.num_tokens
+
+    def resident_summary(self, limit: int = 256) -> list[tuple[int, str, str]]:
+        """The prefixes held in this engine's own memory as a load report lists them: (tokens,
+        base key, key) of the most recently used (common/prefixes.py)."""
+        return self.resident.summary(limit)
+
+    def hold_low_priority(self, hold: bool) -> None:
+        """From the next step on, while `hold`, steps take priority-0 work only: priority-0 work is
+        on its way, to this engine or another one on the same thread (engine/scheduler.py)."""
+        self.scheduler.hold_low_priority = hold
+
+    def num_waiting(self) -> int:
+        """Requests added and not yet admitted to a step (no room for them yet)."""
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_free_blocks(self) -> int:
+        return self.cache.block_allocator.num_free
+
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    def num_free_slots(self) -> int:
+        """Sequences the engine could run at once beside those it runs now."""
+        return self.cache.num_free_slots
+
+    def max_slots(self) -> int:
+        return self.cache.max_seqs
+
 
 def _snapshot_positions(positions: SequenceOf[int], prompt_len: int) -> list[int]:
     """Sorted, distinct positions inside the prompt: after at least one token, before its last

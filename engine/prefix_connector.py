@@ -5,8 +5,9 @@ engine's state layout and the tenant), how long they live (the request's retenti
 what a lookup does when the prefix it found cannot be loaded (the next-longest, up to
 LOAD_ATTEMPTS), which bytes are counted, and the error policy: a cache that fails is a miss
 or an entry not stored, never a failed job. The store is the cache service's HTTP client
-or, in one process, the store itself; both have the same methods, and both deal in bytes:
-a state is split into the blobs the cache stores here (StateSnapshot.split, .joined).
+or, in one process, the store itself; both have the methods of engine.prefix_store.PrefixStore
+and deal in bytes: a state is split into the blobs the cache stores here (StateSnapshot.split,
+.joined).
 
 Every call does I/O: workers make them on their fetch threads, never on the engine's.
 """
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
-from cache_svc.prefix import namespace_of
-from cache_svc.retention import Retention
-from cache_svc.store import PrefixMatch, StateBlobs, Stored
 from common import metrics
+from common.cache_entries import PrefixMatch, StateBlobs, Stored
+from common.prefixes import namespace_of
+from common.retention import Retention
 from common.tracing import SpanKind, job_span
+from engine.prefix_store import PrefixStore
 from engine.state_transfer import SnapshotError, StateSnapshot
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ LOAD_ATTEMPTS = 3  # stored prefixes tried, longest first, before computing the 
 
 
 class PrefixConnector:
-    def __init__(self, store: Any, layout: str, retention: Retention | None = None):
+    def __init__(self, store: PrefixStore, layout: str, retention: Retention | None = None):
         self.store = store
         self.layout = layout
         self.retention = retention or Retention()

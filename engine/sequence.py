@@ -6,13 +6,17 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.messages import TokenLogprobs
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
 
     from engine.state_transfer import StateSnapshot
+
+# A token's logprob and the most likely tokens at its position, (token id, logprob) each. The
+# engine's own type: common.messages.TokenLogprobs is the wire type, of the same shape, which
+# workers send on as they get it.
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass

@@ -18,13 +18,11 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from cache_svc.retention import Retention
-from cache_svc.store import PrefixMatch, StateStore, Stored
 from common import metrics
 from common.api import error_body
 from common.bus import Bus, Record
+from common.cache_entries import PrefixMatch, Stored
 from common.messages import (
-    BadMessage,
     DecodePayload,
     Envelope,
     KVHandle,
@@ -35,13 +33,16 @@ from common.messages import (
     WarmPayload,
     payload_of,
 )
+from common.moving_average import MovingAverage
 from common.replicas import ReplicaTable
+from common.retention import Retention
 from common.routing import Route, Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, sender_span, start_span, within
-from common.worker import EarlyCancels, EngineWorker
+from common.worker import EngineWorker
 from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
 from engine.prefix_connector import PrefixConnector
+from engine.prefix_store import PrefixStore
 
 
 @dataclass
@@ -81,16 +82,19 @@ log = logging.getLogger(__name__)
 WARM_BACKLOG = 4
 
 
-class PrefillWorker(EngineWorker):
+class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
     topics = (Topic.PREFILL,)
     group = "prefill"
+    job_type = "prefill"
+    payload_type = PrefillPayload
+    other_types = ("warm",)
 
     def __init__(
         self,
         bus: Bus,
         topic_prefix: str,
         engine: LLMEngine,
-        store: StateStore,
+        store: PrefixStore,
         lease_seconds: float = 600,
         retention: Retention | None = None,
         anchor_interval: int = 1024,
@@ -100,82 +104,54 @@ class PrefillWorker(EngineWorker):
         """`replicas`: the load reports this worker routes decode jobs by (None: by job id)."""
         super().__init__(bus, topic_prefix, fetch_threads, replicas)
         self.decode_router = Router(replicas, "decode") if replicas is not None else None
-        self.engine = engine
+        self.engine: LLMEngine = engine
         self.cache = PrefixConnector(store, engine.layout, retention)
         self.lease_seconds = lease_seconds
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
-        self.jobs: dict[str, _Job] = {}
         # warm loads (finished conversations to hold, WarmPayload) run on a thread of their own,
         # never ahead of a job's own prefix load, and at most WARM_BACKLOG wait: each one is only
         # a saving for a later turn
         self.warmer = ThreadPoolExecutor(1, thread_name_prefix="prefill-warm")
         self.warming: list[tuple[str, Future[StateSnapshot | None]]] = []  # (tenant, its load)
-        self.cancelled = EarlyCancels()
-        self.tokens_per_second = 0.0  # measured prefill speed, against which a load is weighed
-        self.load_tokens_per_second = 0.0  # measured speed of prefix loads from the cache service
+        self.compute_speed = MovingAverage(0.1)  # prefill tokens per second, against which a load is weighed
+        self.load_speed = MovingAverage(0.1)  # tokens per second of prefix loads from the cache service
 
     @property
     def busy(self) -> bool:
         return bool(self.jobs or self.warming)
 
-    def handle(self, records: list[Record]) -> None:
-        for record in records:
-            try:
-                envelope = self.job_message(record, "prefill", also=("warm",))
-                if envelope is None:
-                    continue
-                if envelope.type == "warm":
-                    self._warm(envelope.job_id, payload_of(envelope, WarmPayload), record.headers)
-                    self.watermarks.seen(record)
-                    continue
-                payload = payload_of(envelope, PrefillPayload)
-            except BadMessage as err:
-                self.dead_letter(record, err)
-                continue
-            job_id = envelope.job_id
-            if job_id in self.jobs:  # a replay
-                self.watermarks.seen(record)
-                continue
-            if self.cancelled.take(job_id):  # cancelled before it came
-                self.end_here(job_id)
-                self.watermarks.seen(record)
-                continue
-            if self.rerouted(record, envelope, payload):
-                continue
-            sampling = payload.sampling
-            params = SamplingParams(
-                **sampling.engine_params(payload.tenant, payload.priority, sampling.seed),
-                keep_final_state=True,  # a job done at its first token still leaves its prompt's state
-            )
-            prompt_tokens = len(payload.prompt_token_ids)
-            parent = context_of(record.headers)
-            span = start_span(
-                "prefill",
-                job_id,
-                parent,
-                SpanKind.CONSUMER,
-                **{"deepmesh.prompt_tokens": prompt_tokens, "deepmesh.replica": self.replica},
-            )
-            job = _Job(payload, params, record, span)
-            resident = self.engine.resident.longest(payload.tenant, payload.prompt_token_ids, prompt_tokens)
-            job.resident_tokens = resident.num_tokens if resident is not None else 0
-            job.fetch = self.fetch_pool(payload.priority).submit(self._fetch, job_id, job)
-            self.jobs[job_id] = job
-            self.watermarks.hold(record, job_id)
-        metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
+    def arrived(self, record: Record, envelope: Envelope, payload: PrefillPayload) -> _Job:
+        sampling = payload.sampling
+        params = SamplingParams(
+            **sampling.engine_params(payload.tenant, payload.priority, sampling.seed),
+            keep_final_state=True,  # a job done at its first token still leaves its prompt's state
+        )
+        prompt_tokens = len(payload.prompt_token_ids)
+        span = start_span(
+            "prefill",
+            envelope.job_id,
+            context_of(record.headers),
+            SpanKind.CONSUMER,
+            **{"deepmesh.prompt_tokens": prompt_tokens, "deepmesh.replica": self.replica},
+        )
+        job = _Job(payload, params, record, span)
+        job.resident_tokens = self.engine.resident_tokens(payload.tenant, payload.prompt_token_ids)
+        return job
+
+    def other_message(self, record: Record, envelope: Envelope) -> None:
+        """A warm message: a finished conversation's state to hold (`_warm`)."""
+        self._warm(envelope.job_id, payload_of(envelope, WarmPayload), record.headers)
 
     def _warm(self, job_id: str, warm: WarmPayload, headers: dict[str, bytes]) -> None:
         """Load a finished conversation's state on a fetch thread (in its job's trace), to hold it
         in the engine's own memory (`_keep_warmed`) unless it holds it already."""
         if len(self.warming) >= WARM_BACKLOG:
             return
-        held = self.engine.resident.longest(warm.tenant, warm.token_ids, len(warm.token_ids))
+        held = self.engine.resident_tokens(warm.tenant, warm.token_ids)
 
         def load() -> StateSnapshot | None:
             with within(sender_span(headers), job_id):
-                snapshot, _ = self.cache.fetch_prefix(
-                    job_id, warm.tenant, warm.retention, warm.token_ids, held=held.num_tokens if held else 0
-                )
+                snapshot, _ = self.cache.fetch_prefix(job_id, warm.tenant, warm.retention, warm.token_ids, held=held)
             return snapshot
 
         self.warming.append((warm.tenant, self.warmer.submit(load)))
@@ -189,14 +165,6 @@ class PrefillWorker(EngineWorker):
                     self.engine.keep_resident(tenant, snapshot)
             except Exception:  # a state not held is a load later, nothing more
                 log.exception("holding a finished conversation's state failed")
-
-    def cancel(self, job_id: str) -> None:
-        """Drop a job now, wherever it is here; a cancel that comes first drops it on arrival."""
-        if self.drop(job_id):
-            self.end_here(job_id)
-            self.watermarks.release(job_id)
-        else:
-            self.cancelled.add(job_id)
 
     def drop(self, job_id: str) -> bool:
         job = self.jobs.get(job_id)
@@ -220,9 +188,7 @@ class PrefillWorker(EngineWorker):
                 job_id, payload.tenant, payload.retention, prompt, lambda m: self._too_slow_to_load(m, held), held
             )
         if snapshot is not None:  # what routers weigh a load from the cache service by
-            speed = snapshot.num_computed / max(time.perf_counter() - started, 1e-6)
-            known = self.load_tokens_per_second
-            self.load_tokens_per_second = speed if not known else 0.9 * known + 0.1 * speed
+            self.load_speed.observe(snapshot.num_computed / max(time.perf_counter() - started, 1e-6))
         return _Fetched(snapshot, match)
 
     def _admit(self, job_id: str, job: _Job) -> None:
@@ -263,7 +229,7 @@ class PrefillWorker(EngineWorker):
             except SnapshotError as err:  # unusable: a miss, computed from scratch
                 log.warning("stored prefix unusable: %s", err)
                 metrics.CACHE_MISSES.labels("corrupt").inc()
-            if job_id in self.engine.seqs:  # queued for a full prefill: no room to load it now
+            if self.engine.has_request(job_id):  # queued for a full prefill: no room to load it now
                 return 0, "miss"
         if cached := self.engine.import_resident(job_id, prompt, params, anchors):
             return cached, "resident"
@@ -274,9 +240,9 @@ class PrefillWorker(EngineWorker):
         """Load or recompute: skip a prefix whose load would take longer than computing the tokens
         it adds to the `held` ones the engine has in its own memory, at the speed this worker
         measured (unmeasured yet: load)."""
-        if self.tokens_per_second <= 0:
+        if self.compute_speed.value <= 0:
             return False
-        return match.load_seconds > (match.num_tokens - held) / self.tokens_per_second
+        return match.load_seconds > (match.num_tokens - held) / self.compute_speed.value
 
     @property
     def urgent(self) -> bool:
@@ -296,8 +262,7 @@ class PrefillWorker(EngineWorker):
         elapsed = time.perf_counter() - started
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(elapsed)
         if self.engine.last_step_tokens > 1 and elapsed > 0:
-            speed = self.engine.last_step_tokens / elapsed
-            self.tokens_per_second = speed if not self.tokens_per_second else 0.9 * self.tokens_per_second + 0.1 * speed
+            self.compute_speed.observe(self.engine.last_step_tokens / elapsed)
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
@@ -331,7 +296,7 @@ class PrefillWorker(EngineWorker):
             self._done(job_id)
             return
         snapshot = self.engine.export_state(job_id)
-        seed = self.engine.seqs[job_id].seed
+        seed = self.engine.request_seed(job_id)
         self.engine.abort(job_id)  # its state is in the snapshot: the engine's room is free now
         # The prompt's anchor is also the hand-over: leased to this job until decode has loaded it.
         stored = self._store_prefix(job_id, job, snapshot, lease=True)
@@ -401,15 +366,15 @@ class PrefillWorker(EngineWorker):
     def queued_tokens(self) -> int:
         waiting = 0
         for job_id, job in self.jobs.items():
-            seq = self.engine.seqs.get(job_id)
-            if seq is not None:
-                waiting += max(0, len(seq.prompt_token_ids) - seq.num_computed)
+            left = self.engine.prompt_tokens_left(job_id)
+            if left is not None:
+                waiting += left
             elif job.hand_over is None:  # its prefix is being looked up and loaded
                 waiting += len(job.payload.prompt_token_ids) - job.resident_tokens
         return waiting
 
     def speeds(self) -> dict[str, float]:
-        return {"tokens_per_second": self.tokens_per_second, "load_tokens_per_second": self.load_tokens_per_second}
+        return {"tokens_per_second": self.compute_speed.value, "load_tokens_per_second": self.load_speed.value}
 
     def _done(self, job_id: str) -> None:
         """The job has left this stage: its record may be committed."""

@@ -49,7 +49,8 @@ def prefill_once(
         bus, prefix = MemoryBus(), f"r{uuid.uuid4().hex[:6]}."
         bus.create_topics(all_topic_names(prefix), 1)
         worker = PrefillWorker(bus, prefix, engine, StateClient(cache) if isinstance(cache, str) else cache)
-        worker.tokens_per_second = tokens_per_second  # as if measured: what a load is weighed against
+        if tokens_per_second:  # as if measured: what a load is weighed against
+            worker.compute_speed.observe(tokens_per_second)
     bus, prefix = worker.bus, worker.prefix
     handoffs = bus.consumer([topic_name(Topic.DECODE, prefix)], f"test-{uuid.uuid4().hex[:6]}", from_beginning=False)
     payload = PrefillPayload(
@@ -102,7 +103,7 @@ def test_replica_b_hits_what_replica_a_stored_and_a_restart_keeps_it(caches, tin
 
 
 def lookup_args(engine: LLMEngine, prompt: list[int]) -> tuple[str, list[int], int]:
-    from cache_svc.prefix import namespace_of
+    from common.prefixes import namespace_of
 
     return namespace_of(engine.layout), prompt, len(prompt)
 
@@ -204,7 +205,7 @@ def test_a_longer_stored_prefix_is_loaded_only_if_that_beats_computing_what_it_a
     computing the whole stored prefix is slower than loading it but computing what it adds to
     the 300 is quicker: the replica computes those and loads nothing. One that holds nothing
     loads it."""
-    from cache_svc.prefix import namespace_of
+    from common.prefixes import namespace_of
 
     store = scratch_store(tmp_path)
     first, more, rest = random_prompts([300, 40, 10], seed=9)

@@ -3,6 +3,7 @@ stats`, and its maintenance run by a real Celery worker and beat over the stack'
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 
 from cache_svc import wire
 from cache_svc.client import StateClient
-from cache_svc.store import StateBlobs
-from tests.infra import CacheProcess, fresh_database, require_service
+from common.cache_entries import StateBlobs
+from engine.prefix_store import PrefixStore
+from tests.infra import CacheProcess, fresh_database, require_service, scratch_store
 from tests.test_cache_store import NS, state_of, tokens
 
 
@@ -33,6 +35,30 @@ def cache(tmp_path_factory):
     env["DEEPMESH_CACHE_URL"] = service.url  # where the Celery worker sends the tasks
     yield env, service.start().url, root
     service.stop()
+
+
+def test_the_client_and_the_store_are_what_the_engine_side_talks_to(tmp_path):
+    """Both stores a worker can hand the engine's connector have every call of its PrefixStore,
+    each taking the Protocol's parameters (names, order, defaults): the connector works with
+    either, though the engine imports neither."""
+    http_client = StateClient("http://127.0.0.1:9")  # nothing is sent until a call
+    local_store = scratch_store(tmp_path)
+    try:
+        stores: list[PrefixStore] = [http_client, local_store]  # what a type checker checks
+        for store in stores:
+            assert isinstance(store, PrefixStore)
+            for name, wanted in inspect.getmembers(PrefixStore, inspect.isfunction):
+                if name.startswith("_"):
+                    continue
+                wanted_parameters = list(inspect.signature(wanted).parameters.values())
+                given = list(inspect.signature(getattr(type(store), name)).parameters.values())
+                where = f"{type(store).__name__}.{name}"
+                assert [p.name for p in given[: len(wanted_parameters)]] == [p.name for p in wanted_parameters], where
+                assert [p.default for p in given[: len(wanted_parameters)]] == [p.default for p in wanted_parameters]
+                assert all(p.default is not inspect.Parameter.empty for p in given[len(wanted_parameters) :]), where
+    finally:
+        http_client.close()
+        local_store.close()
 
 
 def test_the_http_api_stores_finds_loads_and_pins(cache):

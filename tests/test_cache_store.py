@@ -13,10 +13,11 @@ import hashlib
 import pytest
 
 from cache_svc.catalog import Catalog
-from cache_svc.prefix import anchor_key, block_key, chain
-from cache_svc.store import InvalidEntry, StateBlobs, StateStore
+from cache_svc.store import InvalidEntry, StateStore
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier
 from common.blocks import BLOCK_SIZE
+from common.cache_entries import StateBlobs
+from common.prefixes import anchor_key, block_key, chain
 from tests.infra import fresh_database, require_service
 
 LAYOUT = "v1-test"

@@ -77,7 +77,7 @@ def test_each_request_keeps_its_prefixes_as_long_as_its_retention_class_says(ser
     """Messages default to the agent class (3 days), the OpenAI protocols to chat (7 days); a header chooses."""
     import httpx
 
-    from cache_svc.prefix import anchor_key, namespace_of
+    from common.prefixes import anchor_key, namespace_of
 
     codec = Codec.for_model(model, MODEL)
     cases = [

@@ -1,22 +1,168 @@
 """Dependencies point down: services use the engine and common code, never one another.
 
-Each check imports a service's modules in a fresh interpreter and lists what came along:
-an import that crosses a boundary fails here, not in a deployment (a cache host without
-torch, a gateway image without the model code).
+The first check reads every module of every top-level package (with `ast`: nothing is
+imported, so it sees imports inside functions and under TYPE_CHECKING too, and the module
+names given to importlib.import_module) and holds each first-party import against ALLOWED.
+An import that crosses a boundary fails here, not in a deployment (a cache host without
+torch, a gateway image without the model code), and a new edge needs a row that says why.
+
+The second imports a service's modules in a fresh interpreter and lists what came along:
+what a module imports in turn, third-party packages included.
+
+The third holds engine.LLMEngine against what the workers' base class asks of it.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "engine", "cache_svc", "gateway", "tokenizer_svc", "prefill_svc", "decode_svc", "deepmesh")
+EVERYTHING = tuple(f"{package}.*" for package in PACKAGES)
+
+# package -> the first-party modules outside itself it may import: a module by its name, or a
+# package and every module in it by "package.*" ("engine" alone: what engine/__init__.py exports).
+# As strict as the code allows.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    # contracts every service shares: it depends on no service and no engine, so that each of
+    # them can take it along
+    "common": (),
+    # torch-side code shared by prefill and decode: the block size, the key and retention rules
+    # and the data it exchanges with a KV store (through its PrefixStore Protocol), metrics and
+    # spans. Never the wire messages, the bus, the database or a service: it runs embedded in
+    # any of them, and on hosts with none of them
+    "engine": (
+        "common.blocks",
+        "common.cache_entries",
+        "common.metrics",
+        "common.prefixes",
+        "common.retention",
+        "common.tracing",
+    ),
+    # bytes and metadata only: runs where no model can, so nothing of the engine; the engine
+    # side reaches it through engine.prefix_store.PrefixStore, which it satisfies by shape
+    "cache_svc": ("common.*",),
+    # HTTP in, Kafka out: talks to the other services through messages only
+    "gateway": ("common.*",),
+    # messages in and out; engine.config alone, to read a checkpoint's context length and end
+    # tokens when a codec is built for it (Codec.for_model, inside the function)
+    "tokenizer_svc": ("common.*", "engine.config"),
+    # consume, run the engine through its public API (its package's exports) and its connector
+    # to any KV store, produce: no cache_svc, the store is handed in by whoever wires the mesh
+    "prefill_svc": ("common.*", "engine", "engine.prefix_connector", "engine.prefix_store"),
+    "decode_svc": ("common.*", "engine", "engine.prefix_connector", "engine.prefix_store"),
+    # wires everything together: the CLI and the embedded mesh pick the concrete stores
+    "deepmesh": EVERYTHING,
+    # measure any part, some with the test suite's fault injection
+    "benchmarks": (*EVERYTHING, "tests.*"),
+    # test any part
+    "tests": EVERYTHING,
+}
+
+
+def top_level_packages() -> set[str]:
+    """Every top-level directory with Python in it: each needs a row."""
+    return {
+        path.name
+        for path in ROOT.iterdir()
+        if path.is_dir() and not path.name.startswith(".") and next(path.rglob("*.py"), None) is not None
+    }
+
+
+def module_of(name: str) -> str:
+    """The module an imported name is: `common.metrics` for `from common import metrics`."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        path = ROOT.joinpath(*parts[:end])
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(parts[:end])
+    return name
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    return imports_in(path.read_text(), path.relative_to(ROOT).with_suffix("").parts[:-1])
+
+
+def imports_in(source: str, package: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, module) of every import in a module of `package`: statements anywhere in it,
+    relative ones resolved, and string literals given to import_module."""
+    tree = ast.parse(source)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join([*package[: len(package) - node.level + 1], *([node.module] if node.module else [])])
+            base = base if node.level else node.module or ""
+            found += [(node.lineno, module_of(f"{base}.{alias.name}")) for alias in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def allowed(package: str, module: str) -> bool:
+    for name in ALLOWED[package]:
+        if name.endswith(".*"):
+            if module == name[:-2] or module.startswith(name[:-1]):
+                return True
+        elif module == name:
+            return True
+    return False
+
+
+def test_every_package_has_a_row():
+    assert top_level_packages() <= set(ALLOWED), "a new top-level package: give it a row in ALLOWED"
+
+
+def test_every_first_party_import_is_in_the_table():
+    first_party = set(ALLOWED)
+    crossing = []
+    for package in sorted(top_level_packages() & first_party):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line, module in imports_of(path):
+                top = module.split(".")[0]
+                if top in first_party and top != package and not allowed(package, module):
+                    crossing.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert crossing == [], "imports outside ALLOWED:\n" + "\n".join(crossing)
+
+
+def test_the_table_catches_a_forbidden_import():
+    """The check itself: each kind of import the table forbids is found, and refused."""
+    probe = (
+        "import importlib\n"
+        "from common.messages import Envelope\n"
+        "from . import llm_engine\n"
+        "def later():\n"
+        "    import cache_svc.store\n"
+        "    from common import bus\n"
+        "    return importlib.import_module('gateway.app')\n"
+    )
+    found = {name for _, name in imports_in(probe, ("engine",))} - {"importlib", "engine.llm_engine"}  # its own
+    assert found == {"common.messages", "cache_svc.store", "common.bus", "gateway.app"}
+    assert [name for name in sorted(found) if allowed("engine", name)] == []
+    assert allowed("engine", "common.prefixes") and not allowed("engine", "common")
+    assert allowed("prefill_svc", "engine") and not allowed("prefill_svc", "engine.llm_engine")
+    assert allowed("prefill_svc", "common.worker") and not allowed("prefill_svc", "cache_svc.client")
+    assert not allowed("cache_svc", "engine") and not allowed("common", "common_extra")
+
 
 WORKERS = {"prefill_svc", "decode_svc", "tokenizer_svc"}
 
 
-def imported_packages(*modules: str) -> set[str]:
-    code = f"import sys, {', '.join(modules)}; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+def imported_modules(*modules: str) -> set[str]:
+    code = f"import sys, {', '.join(modules)}; print(' '.join(sorted(sys.modules)))"
     return set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
 
 
@@ -30,8 +176,36 @@ def imported_packages(*modules: str) -> set[str]:
         ),
         # talks HTTP and Kafka only
         (["gateway.app"], {"torch", "engine", "cache_svc", "deepseek_recipe"} | WORKERS),
+        # runs embedded in any service: none of them, nor their wire messages or database
+        (
+            ["engine", "engine.prefix_connector", "engine.prefix_store", "engine.resident_prefixes"],
+            {"cache_svc", "gateway", "sqlalchemy", "kafka", "common.messages", "common.bus"} | WORKERS,
+        ),
     ],
-    ids=["cache_svc", "gateway"],
+    ids=["cache_svc", "gateway", "engine"],
 )
 def test_a_service_imports_nothing_below_its_boundary(modules, forbidden):
-    assert imported_packages(*modules) & forbidden == set()
+    imported = imported_modules(*modules)
+    assert {name for name in forbidden if any(m == name or m.startswith(name + ".") for m in imported)} == set()
+
+
+def test_the_engine_has_what_its_workers_ask_of_it():
+    """LLMEngine and PrefixConnector have every call of the Protocols common.worker.EngineWorker
+    types them by (StageEngine, StateSaver), taking their parameters (names, order, defaults):
+    common names no engine code, so nothing else checks it."""
+    from common.worker import StageEngine, StateSaver
+    from engine import LLMEngine
+    from engine.prefix_connector import PrefixConnector
+
+    for protocol, implementation in ((StageEngine, LLMEngine), (StateSaver, PrefixConnector)):
+        for name, wanted in inspect.getmembers(protocol, inspect.isfunction):
+            if name.startswith("_"):
+                continue
+            where = f"{implementation.__name__}.{name}"
+            assert hasattr(implementation, name), f"no {where}"
+            wanted_parameters = list(inspect.signature(wanted).parameters.values())
+            given = list(inspect.signature(getattr(implementation, name)).parameters.values())
+            assert [(p.name, p.default) for p in given[: len(wanted_parameters)]] == [
+                (p.name, p.default) for p in wanted_parameters
+            ], where
+            assert all(p.default is not inspect.Parameter.empty for p in given[len(wanted_parameters) :]), where

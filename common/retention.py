@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.api import RETENTION_CLASSES as CLASSES
+# here, not in common/api.py with the other API rules: the engine side reads retention without
+# importing the message schemas that module needs
+RETENTION_CLASSES = ("agent", "chat")
 
 
 @dataclass
@@ -20,7 +22,7 @@ class Retention:
 
     def __post_init__(self) -> None:
         for tenant, classes in {"": self.ttl_seconds, **self.overrides}.items():
-            unknown = set(classes) - set(CLASSES)
+            unknown = set(classes) - set(RETENTION_CLASSES)
             if unknown:
                 raise ValueError(f"unknown retention classes {sorted(unknown)} (for tenant {tenant!r})")
             if any(seconds <= 0 for seconds in classes.values()):
