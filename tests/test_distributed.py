@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -75,7 +76,9 @@ class Cluster:
         if name == "batches":  # the batch runner: Celery beat and a worker (gateway/batch_tasks.py)
             beat = ["--beat", "--schedule", str(self.root / "beat-schedule"), "--pool", "solo"]
             command = [sys.executable, "-m", "celery", "-A", "gateway.batch_tasks", "--quiet", "worker", *beat, *extra]
-        process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        # a process group of its own: Celery's embedded beat is a child of the worker, and outlives a
+        # worker killed by a test unless its whole group is ended at stop()
+        process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes[f"{name}-{process.pid}"] = process
         return process
 
@@ -101,6 +104,8 @@ class Cluster:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+            with contextlib.suppress(ProcessLookupError):  # what it left behind: a beat whose worker was killed
+                os.killpg(process.pid, signal.SIGKILL)
 
     def decode_running(self) -> int:
         scraped = httpx.get(self.decode_metrics).text
