@@ -49,7 +49,7 @@ def main() -> None:
     import random
 
     from engine.checkpoint.make_model import make_model
-    from tests.chaos import (
+    from tests.support.chaos import (
         Faults,
         Outcome,
         body,
@@ -103,7 +103,7 @@ def main() -> None:
 
 
 def _phase(name: str, outcome, faults: list[str], seconds: float) -> dict:
-    from tests.chaos import summary
+    from tests.support.chaos import summary
 
     print(f"{name}: {outcome.line()}; {seconds:.0f} s; faults: {summary(faults)}")
     for problem in outcome.problems[:20]:

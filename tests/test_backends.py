@@ -7,7 +7,7 @@ import torch
 
 from engine import EngineError, LLMEngine, SamplingParams
 from engine.backends import TorchBackend, available_backends, register_backend, select_backend
-from tests.conftest import random_prompts
+from tests.support.models import random_prompts
 
 
 def test_reference_backend_everywhere():

@@ -5,7 +5,6 @@ broker that stops taking records, and a runner process killed at each point of i
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from gateway.batch_runner import BatchRunner
 from gateway.batch_store import BatchStore
 from gateway.files import FileStore
 from gateway.jobs import JobStore
-from tests.infra import fresh_database
+from tests.support.infra import fresh_database
+from tests.support.killed_round import round_killed
 
 PARAMS = {"model": "deepmesh-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 ANSWER = {"usage": {"input_tokens": 5, "output_tokens": 4}, "content": []}
@@ -115,23 +115,6 @@ def test_a_batch_past_its_window_expires_keeping_what_finished(setup):
     assert all(jobs.get(job_id).status == "cancelled" for _, job_id in broker.sent[2:])  # stopped, not left running
 
 
-def _round_killed(url: str, files: str, produced: str, kill_after: int) -> None:
-    """A runner process's round that dies as under SIGKILL (no `finally`, no commit) right
-    after the broker took its `kill_after`-th record (0: before the first)."""
-    jobs = JobStore(url)
-    taken: list[str] = []
-
-    def send(job_id: str, endpoint: str, body: dict, options: dict) -> None:
-        if kill_after == 0:
-            os._exit(9)
-        taken.append(job_id)
-        Path(produced).write_text("\n".join(taken))
-        if len(taken) == kill_after:
-            os._exit(9)
-
-    BatchRunner(jobs, FileStore(jobs.session, files), send, lambda job_id: None, 6).advance()
-
-
 @pytest.mark.parametrize("kill_after", [0, 3, 6])
 def test_a_runner_killed_at_any_point_of_its_round_loses_no_request(setup, tmp_path, kill_after):
     """Killed before producing, between two records, or after the last but before marking them
@@ -143,7 +126,7 @@ def test_a_runner_killed_at_any_point_of_its_round_loses_no_request(setup, tmp_p
     produced.touch()
     url = jobs.engine.url.render_as_string(hide_password=False)
     child = multiprocessing.get_context("spawn").Process(
-        target=_round_killed, args=(url, str(tmp_path / "files"), str(produced), kill_after)
+        target=round_killed, args=(url, str(tmp_path / "files"), str(produced), kill_after)
     )
     child.start()
     child.join(timeout=60)

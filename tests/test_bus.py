@@ -13,7 +13,7 @@ import pytest
 from common.bus import Bus, KafkaBus, MemoryBus, Record
 from common.claims import ClaimStore
 from common.messages import BadMessage, Envelope, decode
-from tests.infra import require_service
+from tests.support.infra import require_service
 
 
 @pytest.fixture(params=["memory", "kafka"])

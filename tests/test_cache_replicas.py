@@ -19,8 +19,8 @@ from common.messages import DecodePayload, Envelope, PrefillPayload, Sampling, d
 from common.topics import Topic, all_topic_names, topic_name
 from engine import LLMEngine, SamplingParams
 from prefill_svc.worker import PrefillWorker
-from tests.conftest import random_prompts
-from tests.infra import CacheProcess, fresh_database, scratch_store
+from tests.support.infra import CacheProcess, fresh_database, scratch_store
+from tests.support.models import random_prompts
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from cache_svc import wire
 from cache_svc.client import StateClient
 from common.cache_entries import StateBlobs
 from engine.prefix_store import PrefixStore
-from tests.infra import CacheProcess, fresh_database, require_service, scratch_store
-from tests.test_cache_store import NS, state_of, tokens
+from tests.support.infra import CacheProcess, fresh_database, require_service, scratch_store
+from tests.support.synthetic_states import NS, state_of, tokens
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,15 @@ the engine's state becomes these bytes: tests/test_state_transfer.py.)
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 from cache_svc.catalog import Catalog
 from cache_svc.store import InvalidEntry, StateStore
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier
-from common.blocks import BLOCK_SIZE
 from common.cache_entries import StateBlobs
 from common.prefixes import anchor_key, block_key, chain
-from tests.infra import fresh_database, require_service
-
-LAYOUT = "v1-test"
-NS = f"{LAYOUT}/tenant-a"
-ROW = 1024  # bytes per block blob
+from tests.support.infra import fresh_database, require_service
+from tests.support.synthetic_states import LAYOUT, NS, state_of, tokens
 
 
 class Clock:
@@ -48,23 +42,6 @@ def make_store(tmp_path, database, clock, memory=None, disk=None, shared=None, n
     if shared is not None:
         tiers.append(shared)
     return StateStore(Catalog(database), tiers, clock, replica=name)
-
-
-def tokens(n: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n))
-
-
-def state_of(token_ids: list[int]) -> StateBlobs:
-    """Bytes for the state after these tokens, all of them depending on the tokens: a block's
-    on the tokens up to its end (so blocks of a common prefix are equal, as the engine's are),
-    the head on all of them."""
-
-    def digest(tokens: list[int], size: int) -> bytes:
-        seed = hashlib.sha256(repr(tokens).encode()).digest()
-        return (seed * (size // len(seed) + 1))[:size]
-
-    blocks = [digest(token_ids[: (i + 1) * BLOCK_SIZE], ROW) for i in range(len(token_ids) // BLOCK_SIZE)]
-    return StateBlobs(digest(token_ids, 300 + len(token_ids) % BLOCK_SIZE), blocks)
 
 
 def put(store: StateStore, token_ids: list[int], ttl: float = 600, namespace: str = NS, **lease) -> str:

@@ -14,8 +14,8 @@ from common.topics import Topic, all_topic_names, topic_name
 from decode_svc.worker import DecodeWorker
 from engine import LLMEngine
 from prefill_svc.worker import PrefillWorker
-from tests.conftest import random_prompts
-from tests.infra import scratch_store
+from tests.support.infra import scratch_store
+from tests.support.models import random_prompts
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chaos import Faults, Outcome, body, expected_answers, run_jobs, run_streams, start_cluster, summary
-from tests.infra import require_service
+from tests.support.chaos import Faults, Outcome, body, expected_answers, run_jobs, run_streams, start_cluster, summary
+from tests.support.infra import require_service
 
 
 @pytest.fixture(scope="module")

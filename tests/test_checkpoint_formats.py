@@ -13,8 +13,14 @@ from transformers import DeepseekV4ForCausalLM
 
 from engine import LLMEngine, SamplingParams
 from engine.checkpoint.make_model import write_checkpoint
-from tests.conftest import PARITY_CONFIGS, random_prompts
-from tests.test_parity import NEW_TOKENS, reference_greedy
+from tests.support.models import (
+    NEW_TOKENS,
+    PARITY_CONFIGS,
+    dequantized_by_hand,
+    random_prompts,
+    reference_greedy,
+    stored_tensors,
+)
 
 QUANTS = {
     "bf16": ("none", "ue8m0"),
@@ -24,29 +30,6 @@ QUANTS = {
 }
 LAYOUTS = ("deepseek", "transformers")
 COMBOS = [(config, layout, quant) for config in sorted(PARITY_CONFIGS) for layout in LAYOUTS for quant in QUANTS]
-
-
-def dequantized_by_hand(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantized weights dequantized here, independently of the engine: FP8 values times their
-    128 x 128 block's scale, or FP4 e2m1 pairs (low nibble first) times their 32-wide group's."""
-    scale = scale.float()
-    if values.dtype == torch.float8_e4m3fn:
-        rows, cols = values.shape[-2:]
-        scale = scale.repeat_interleave(128, dim=-2)[..., :rows, :].repeat_interleave(128, dim=-1)[..., :cols]
-        return values.float() * scale
-    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    codes = values.view(torch.uint8).long()
-    unpacked = torch.stack([e2m1[codes & 15], e2m1[codes >> 4]], dim=-1).flatten(-2)
-    return unpacked * scale.repeat_interleave(32, dim=-1)
-
-
-def stored_tensors(path, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint whose name starts with `prefix`, read with safetensors' own reader."""
-    out = {}
-    for file in path.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)})  # noqa: SIM118
-    return out
 
 
 @pytest.fixture(scope="module", params=COMBOS, ids=["-".join(combo) for combo in COMBOS])

@@ -121,8 +121,7 @@ def test_serve_answers_while_its_decode_graphs_compile_and_cache_stats_reads_its
 
     import httpx
 
-    from tests.behaviour import free_port
-    from tests.infra import wait_until_up
+    from tests.support.infra import free_port, wait_until_up
 
     port = free_port()
     env = {

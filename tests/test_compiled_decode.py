@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, StateSnapshot
-from tests.conftest import random_prompts
-from tests.test_state_transfer import decode_to_end, prefill_and_export
+from tests.support.models import decode_to_end, prefill_and_export, random_prompts
 
 # decoding crosses what a step can change: HCA windows close at 127 and 255 (prompts of 100 and
 # 250), a new block starts at 128, CSA windows close every 4 tokens

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,104 +17,17 @@ import pytest
 
 from common.bus import KafkaBus
 from common.tracing import job_trace, read_spans
-from tests.batch_behaviour import BatchBehaviour
-from tests.behaviour import (
+from tests.support.batch_behaviour import BatchBehaviour
+from tests.support.behaviour import (
     MODEL,
     QUESTION,
     GatewayBehaviour,
     ModelOutputBehaviour,
     ScriptedModel,
-    free_port,
     one_process_answer,
 )
-from tests.infra import fresh_database, require_service, wait_until_up
-
-
-class Cluster:
-    """Services as OS processes, sharing one topic prefix; logs and traces under `root`."""
-
-    def __init__(self, root: Path, model: Path):
-        self.root = root
-        self.gateway_port, self.cache_port = free_port(), free_port()
-        self.prefix = f"dist{uuid.uuid4().hex[:8]}."
-        self.traces = root / "traces.jsonl"
-        self.env = {
-            **os.environ,
-            "DEEPMESH_KAFKA_BOOTSTRAP": require_service("DEEPMESH_KAFKA_BOOTSTRAP"),
-            "DEEPMESH_DATABASE_URL": fresh_database(root),  # jobs and the cache catalog, apart from other tests
-            "DEEPMESH_TOPIC_PREFIX": self.prefix,
-            "DEEPMESH_TOPIC_PARTITIONS": "2",
-            "DEEPMESH_CACHE_URL": f"http://127.0.0.1:{self.cache_port}",
-            "DEEPMESH_MODEL": str(model),
-            "DEEPMESH_SERVED_MODEL_NAME": MODEL,
-            "DEEPMESH_LOG_LEVEL": "DEBUG",
-            "DEEPMESH_TRACE_EXPORTER": "jsonl",
-            "DEEPMESH_TRACE_FILE": str(self.traces),
-            "DEEPMESH_CLAIM_DIR": str(root / "claims"),
-            "DEEPMESH_FILES_DIR": str(root / "files"),
-            "DEEPMESH_REDIS_URL": require_service("DEEPMESH_REDIS_URL"),
-            "DEEPMESH_BATCH_ROUND_SECONDS": "0.5",
-            # a killed worker's partitions move after 6 s (the broker's least) instead of 10
-            "DEEPMESH_KAFKA_SESSION_TIMEOUT_MS": "6000",
-        }
-        self.processes: dict[str, subprocess.Popen] = {}
-        self.url = f"http://127.0.0.1:{self.gateway_port}"
-        self.cache_url = self.env["DEEPMESH_CACHE_URL"]
-        self.decode_metrics = ""
-
-    def spawn(self, name: str, *extra: str) -> subprocess.Popen:
-        if name == "decode":  # its /metrics tell the tests what decode holds
-            port = free_port()
-            extra = (*extra, "--metrics-port", str(port))
-            self.decode_metrics = f"http://127.0.0.1:{port}/metrics"
-        log = open(self.root / f"{name}-{len(self.processes)}.log", "w")  # noqa: SIM115 (lives with the process)
-        command = [sys.executable, "-m", "deepmesh.cli", name, *extra]
-        if name == "batches":  # the batch runner: Celery beat and a worker (gateway/batch_tasks.py)
-            beat = ["--beat", "--schedule", str(self.root / "beat-schedule"), "--pool", "solo"]
-            command = [sys.executable, "-m", "celery", "-A", "gateway.batch_tasks", "--quiet", "worker", *beat, *extra]
-        # a process group of its own: Celery's embedded beat is a child of the worker, and outlives a
-        # worker killed by a test unless its whole group is ended at stop()
-        process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.processes[f"{name}-{process.pid}"] = process
-        return process
-
-    def start(
-        self, services: tuple[str, ...] = ("cache", "gateway", "tokenizer", "prefill", "decode", "batches")
-    ) -> Cluster:
-        for name in services:
-            if name == "cache":
-                self.spawn("cache", "--port", str(self.cache_port), "--dir", str(self.root / "kv"))
-            elif name == "gateway":
-                self.spawn("gateway", "--port", str(self.gateway_port))
-            else:
-                self.spawn(name)
-        wait_until_up(f"{self.url}/readyz", list(self.processes.values()), 180, f"see {self.root}")
-        return self
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-            with contextlib.suppress(ProcessLookupError):  # what it left behind: a beat whose worker was killed
-                os.killpg(process.pid, signal.SIGKILL)
-
-    def decode_running(self) -> int:
-        scraped = httpx.get(self.decode_metrics).text
-        return int(float(re.search(r'^deepmesh_running_jobs\{service="decode"\} (\S+)$', scraped, re.M).group(1)))
-
-    def pinned_by(self, holder: str) -> list[str]:
-        from cache_svc.catalog import Catalog
-
-        catalog = Catalog(self.env["DEEPMESH_DATABASE_URL"])
-        try:
-            return catalog.pinned_by(holder)
-        finally:
-            catalog.close()
+from tests.support.cluster import Cluster
+from tests.support.infra import wait_until_up
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +210,8 @@ def test_a_batch_survives_its_gateway_and_its_runner_being_killed(cluster):
 
     import openai
 
-    from tests.batch_behaviour import PROMPTS, chat_line, jsonl, wait_for_batch
-    from tests.behaviour import GREEDY
+    from tests.support.batch_behaviour import PROMPTS, chat_line, jsonl, wait_for_batch
+    from tests.support.behaviour import GREEDY
 
     oai = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=2, timeout=120)
     lines = [chat_line(f"r{i}", PROMPTS[i % len(PROMPTS)], 8, thinking={"type": "disabled"}) for i in range(100)]

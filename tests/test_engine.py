@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, UnknownRequestError
-from tests.conftest import random_prompts
+from tests.support.models import random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 LENGTHS = (1, 17, 129, 300, 520)

@@ -22,7 +22,7 @@ from common.bus import MemoryBus
 from gateway import schemas
 from gateway.app import create_app
 from gateway.jobs import JobStore
-from tests.behaviour import GREEDY, MODEL, QUESTION, protocol_error_message, scripted_gateway
+from tests.support.behaviour import GREEDY, MODEL, QUESTION, protocol_error_message, scripted_gateway
 
 EXAMPLES = int(os.environ.get("DEEPMESH_FUZZ_EXAMPLES", "30"))  # per operation; more in a soak
 

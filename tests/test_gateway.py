@@ -14,9 +14,9 @@ from common.topics import all_topic_names
 from deepmesh.mesh import Mesh
 from gateway.app import create_app
 from gateway.jobs import JobStore
-from tests.batch_behaviour import BatchBehaviour
-from tests.behaviour import MODEL, GatewayBehaviour, ModelOutputBehaviour, ServerThread, scripted_gateway
-from tests.infra import require_service, scratch_store
+from tests.support.batch_behaviour import BatchBehaviour
+from tests.support.behaviour import MODEL, GatewayBehaviour, ModelOutputBehaviour, ServerThread, scripted_gateway
+from tests.support.infra import require_service, scratch_store
 from tokenizer_svc.protocol import Codec
 
 
@@ -165,9 +165,9 @@ def test_a_batch_survives_the_server_being_killed_mid_batch(model, tmp_path):
 
     import openai
 
-    from tests.batch_behaviour import PROMPTS, chat_line, jsonl, wait_for_batch
-    from tests.behaviour import GREEDY, free_port
-    from tests.infra import fresh_database, wait_until_up
+    from tests.support.batch_behaviour import PROMPTS, chat_line, jsonl, wait_for_batch
+    from tests.support.behaviour import GREEDY
+    from tests.support.infra import free_port, fresh_database, wait_until_up
 
     port = free_port()
     env = {

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from tests.conftest import random_prompts
+from tests.support.models import random_prompts
 from tokenizer_svc.constraints import MAX_SCHEMA_DEPTH, ConstraintError, Markup, output_grammar
 from tokenizer_svc.protocol import Codec
 

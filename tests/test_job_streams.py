@@ -21,7 +21,7 @@ from common.messages import Envelope, JobStart, ResultPayload, TokensPayload, de
 from common.topics import Topic, all_topic_names, topic_name
 from gateway.jobs import JobStore
 from gateway.results import JobRecorder, ResultRouter
-from tests.infra import fresh_database
+from tests.support.infra import fresh_database
 from tokenizer_svc.protocol import Codec
 from tokenizer_svc.worker import TokenizerWorker
 

@@ -24,9 +24,9 @@ from gateway.app import create_app
 from gateway.jobs import JobStore
 from gateway.keys import REMEMBER_SECONDS
 from gateway.quotas import MemoryQuotas, RedisQuotas
-from tests.batch_behaviour import chat_line, jsonl, wait_for_batch
-from tests.behaviour import MODEL, QUESTION, ServerThread, scripted_gateway
-from tests.infra import fresh_database, require_service
+from tests.support.batch_behaviour import chat_line, jsonl, wait_for_batch
+from tests.support.behaviour import MODEL, QUESTION, ServerThread, scripted_gateway
+from tests.support.infra import fresh_database, require_service
 
 
 @pytest.fixture(scope="module")

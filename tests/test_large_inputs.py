@@ -26,9 +26,9 @@ from common.claims import ClaimStore
 from deepmesh.mesh import Mesh
 from gateway.app import create_app
 from gateway.jobs import JobStore
-from tests.behaviour import GREEDY, MODEL, ServerThread, one_process_answer
-from tests.infra import scratch_store
-from tests.test_distributed import Cluster
+from tests.support.behaviour import GREEDY, MODEL, ServerThread, one_process_answer
+from tests.support.cluster import Cluster
+from tests.support.infra import scratch_store
 from tokenizer_svc.protocol import Codec
 
 MAX_TOKENS = 4

@@ -20,8 +20,7 @@ from engine import LLMEngine, SamplingParams, UnsupportedCheckpointError
 from engine.checkpoint.loader import load_model
 from engine.checkpoint.make_model import preset_config, write_checkpoint
 from engine.checkpoint.weight_names import LAYER_NAMES, MTP_NAMES, TOP_NAMES, Target, canonical_name
-from tests.conftest import PARITY_CONFIGS, random_prompts
-from tests.test_checkpoint_formats import dequantized_by_hand, stored_tensors
+from tests.support.models import PARITY_CONFIGS, dequantized_by_hand, random_prompts, stored_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {**PARITY_CONFIGS["tiny-preset"], "torch_dtype": "bfloat16"}

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV4ForCausalLM, GenerationConfig
+from transformers import DeepseekV4ForCausalLM
 
 from engine import LLMEngine, SamplingParams
-from tests.conftest import PARITY_CONFIGS, random_prompts
+from tests.support.models import NEW_TOKENS, PARITY_CONFIGS, random_prompts, reference_greedy
 
 LENGTHS = (1, 5, 17, 129, 300)
-NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module", params=sorted(PARITY_CONFIGS))
@@ -18,19 +17,6 @@ def pair(request, checkpoints):
     path = checkpoints[request.param]
     reference = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return LLMEngine.from_pretrained(path, max_num_batched_tokens=4096), reference
-
-
-def reference_greedy(reference, prompt: list[int]) -> list[int]:
-    """transformers' greedy continuation with EOS an ordinary token, as the engine's ignore_eos makes it.
-    Without clearing the model's own eos_token_id, min_new_tokens would forbid that token instead."""
-    reference.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt])
-    config = GenerationConfig(
-        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=None
-    )
-    with torch.no_grad():
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt) :].tolist()
 
 
 def test_checkpoint_loads_in_both_with_same_parameters(pair):

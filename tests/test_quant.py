@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.checkpoint.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
-from tests.test_checkpoint_formats import dequantized_by_hand
+from tests.support.models import dequantized_by_hand
 
 
 def _random_fp8(shape, gen) -> torch.Tensor:

@@ -13,8 +13,8 @@ from engine import LLMEngine, SamplingParams
 from engine.checkpoint.loader import load_model
 from engine.resident_prefixes import ResidentPrefix, ResidentPrefixes
 from engine.state_cache import BlockAllocator
-from tests.conftest import random_prompts
-from tests.test_state_transfer import decode_to_end as run_to_end
+from tests.support.models import decode_to_end as run_to_end
+from tests.support.models import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)

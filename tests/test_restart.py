@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.behaviour import GREEDY, MODEL, free_port, one_process_answer
-from tests.infra import wait_until_up
+from tests.support.behaviour import GREEDY, MODEL, one_process_answer
+from tests.support.infra import free_port, wait_until_up
 
 TURN_1 = [{"role": "user", "content": "Tell me about Kafka partitions and offsets. " * 60}]
 

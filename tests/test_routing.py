@@ -19,9 +19,9 @@ from decode_svc.worker import DecodeWorker
 from deepmesh.mesh import Mesh
 from engine import LLMEngine
 from prefill_svc.worker import PrefillWorker
-from tests.behaviour import one_process_answer
-from tests.infra import require_service, scratch_store
-from tests.test_mesh import collect, submit
+from tests.support.behaviour import one_process_answer
+from tests.support.infra import require_service, scratch_store
+from tests.support.mesh_client import collect, submit
 
 MODEL = "deepmesh-tiny"
 

@@ -20,8 +20,8 @@ from common.bus import KafkaBus
 from common.replicas import ReplicaTable, ReportListener
 from common.routing import resident_tokens
 from common.tracing import job_trace, read_spans
-from tests.behaviour import MODEL, wait_for_status
-from tests.test_distributed import Cluster
+from tests.support.behaviour import MODEL, wait_for_status
+from tests.support.cluster import Cluster
 from tokenizer_svc.protocol import Codec
 
 GREEDY = {"temperature": 0, "extra_body": {"thinking": {"type": "disabled"}}}
@@ -87,7 +87,7 @@ def job_of(completion) -> str:
 
 
 def test_a_follow_up_goes_back_to_the_replica_that_holds_it_with_no_load(cluster, model):
-    from tests.behaviour import one_process_answer
+    from tests.support.behaviour import one_process_answer
 
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0)
     question = [{"role": "user", "content": "Which replica holds this conversation, and why? " * 6}]
@@ -135,7 +135,7 @@ def stream_text(url: str, body: dict, into: dict, key: str) -> None:
 
 
 def test_a_held_up_decode_replica_gets_no_new_jobs_and_its_jobs_finish_elsewhere(cluster, model):
-    from tests.behaviour import one_process_answer
+    from tests.support.behaviour import one_process_answer
 
     bodies = [
         {
@@ -188,7 +188,7 @@ def test_a_held_up_decode_replica_gets_no_new_jobs_and_its_jobs_finish_elsewhere
 
 
 def test_a_killed_prefill_replica_loses_no_job(cluster, model):
-    from tests.behaviour import one_process_answer
+    from tests.support.behaviour import one_process_answer
 
     bodies = [
         {
@@ -234,8 +234,7 @@ def strict_gateway(cluster):
     import subprocess
     import sys
 
-    from tests.behaviour import free_port
-    from tests.infra import wait_until_up
+    from tests.support.infra import free_port, wait_until_up
 
     port = free_port()
     env = {**cluster.env, "DEEPMESH_ADMISSION_WAIT_SECONDS": "1"}

@@ -14,29 +14,9 @@ from engine import (
     UnknownRequestError,
 )
 from engine.checkpoint.loader import load_model
-from tests.conftest import random_prompts
+from tests.support.models import decode_to_end, prefill_and_export, random_prompts
 
 LENGTHS = (1, 17, 128, 129, 300, 520)
-
-
-def prefill_and_export(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams):
-    """Run a request until its first token, as a prefill worker does; returns (token, snapshot bytes)."""
-    engine.add_request(request_id, prompt, params)
-    while True:
-        outputs = [o for o in engine.step() if o.request_id == request_id]
-        if outputs:
-            break
-    data = engine.export_state(request_id).to_bytes()
-    engine.abort(request_id)
-    return outputs[0].new_token_ids[0], data
-
-
-def decode_to_end(engine: LLMEngine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from common.topics import Topic, topic_name
 from decode_svc.worker import DecodeWorker
 from deepmesh.mesh import Mesh
 from engine import LLMEngine, SamplingParams
-from tests.conftest import random_prompts
-from tests.infra import scratch_store
-from tests.test_mesh import BODIES, collect, reference_body
+from tests.support.infra import scratch_store
+from tests.support.mesh_client import BODIES, collect, reference_body
+from tests.support.models import random_prompts
 
 BODY = {**BODIES["chat.completions"], "stream": True}
 
@@ -168,7 +168,7 @@ def test_a_job_decode_refuses_is_answered_with_the_reason_not_left_to_time_out(t
     mesh.decode.engine = LLMEngine(prefill.model, weights=prefill.weights, grammars=prefill.grammars, max_model_len=120)
     mesh.start()
     try:
-        from tests.test_mesh import submit
+        from tests.support.mesh_client import submit
 
         long = submit(mesh, "chat.completions", {**BODIES["chat.completions"], "max_tokens": 100})
         (result,) = collect(mesh, {long}, timeout=30)[long]

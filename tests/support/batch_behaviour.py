@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.behaviour import GREEDY, MODEL, SDKClients
+from tests.support.behaviour import GREEDY, MODEL, SDKClients
 
 PROMPTS = [f"Question {i}: what does a Kafka broker keep?" for i in range(20)]
 

@@ -7,6 +7,7 @@ service fails if it is missing. Run by hand without the stack, those tests are s
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,11 @@ import time
 import httpx
 import pytest
 
-from tests.behaviour import free_port
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def require_service(env_var: str) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 import time
 import uuid
@@ -37,8 +36,10 @@ from common.bus import Bus, MemoryBus
 from common.claims import ClaimStore
 from common.messages import Envelope, PrefillPayload, RequestPayload, ResultPayload, TokensPayload, decode
 from common.topics import Topic, all_topic_names, topic_name
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from gateway.app import create_app
+from tests.support.infra import free_port
+from tests.support.models import reference_engine
 from tokenizer_svc.protocol import Codec
 from tokenizer_svc.worker import TokenizerWorker
 
@@ -60,12 +61,6 @@ TOOL_CALL_MARKUP = (
     '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class ServerThread:
@@ -95,7 +90,7 @@ def one_process_answer(model: Path, body: dict, endpoint: str = "chat.completion
     codec = Codec.for_model(model, MODEL)
     prompt = codec.prompt(endpoint, body)
     assert prompt.temperature == 0, "compare greedy requests only"
-    engine = LLMEngine.from_pretrained(model)
+    engine = reference_engine(model)
     params = SamplingParams(max_tokens=prompt.max_tokens, temperature=0, grammar=prompt.grammar)
     out = engine.generate([prompt.token_ids], params)[0]
     stream = codec.output(endpoint, body, "reference")
@@ -435,7 +430,7 @@ class GatewayBehaviour(SDKClients):
         assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
         codec = Codec.for_model(service.model, MODEL)
         prompt = codec.prompt("chat.completions", {**request, **GREEDY["extra_body"], "temperature": 0}).token_ids
-        engine = LLMEngine.from_pretrained(service.model)
+        engine = reference_engine(service.model)
         tokens = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
         scored = engine.score(prompt + tokens[:-1])[len(prompt) - 1 :].log_softmax(dim=-1)
         assert len(content) == len(tokens)

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import httpx
 
-from engine import LLMEngine, SamplingParams
-from tests.behaviour import MODEL, sse_events
-from tests.infra import wait_until_up
-from tests.test_distributed import Cluster
+from engine import SamplingParams
+from tests.support.behaviour import MODEL, sse_events
+from tests.support.cluster import Cluster
+from tests.support.infra import wait_until_up
+from tests.support.models import reference_engine
 from tokenizer_svc.protocol import Codec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ def expected_answers(model: Path, bodies: list[dict]) -> list[tuple[str, str]]:
     """(content, finish_reason) of each request, computed by one engine in this process."""
     codec = Codec.for_model(model, MODEL)
     prompts = [codec.prompt("chat.completions", request) for request in bodies]
-    engine = LLMEngine.from_pretrained(model)
+    engine = reference_engine(model)
     params = SamplingParams(max_tokens=prompts[0].max_tokens, temperature=0)
     answers = []
     for request, prompt, out in zip(
