@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny
 
-.PHONY: run test lint bench install stack-down clean
+.PHONY: run test test-unit lint bench install stack-down clean
 
 install: $(INSTALLED)
 
@@ -35,8 +35,14 @@ lint: $(INSTALLED)
 
 # The integration tests run against real Apache Kafka, PostgreSQL and Redis on loopback, started
 # by scripts/stack (left running, so the next run starts in seconds; `make stack-down` stops them).
+# Tiers: tests/unit (no subprocess, network or broker), tests/integration (the stack, the mesh
+# embedded), tests/system (services as processes, compiled engines, the reference matrices).
 test: lint
 	stack="$$(scripts/stack up)" && eval "$$stack" && DEEPMESH_REQUIRE_INFRA=1 $(BIN)/pytest
+
+# the unit tier alone: no stack, under 90 s
+test-unit: $(INSTALLED)
+	$(BIN)/pytest tests/unit
 
 stack-down:
 	scripts/stack down

@@ -1,7 +1,7 @@
 """The message bus: Apache Kafka in production, an in-process stand-in for the embedded mode.
 
 Both give the guarantees the services are written against, and the same contract tests run
-on both (tests/test_bus.py):
+on both (tests/integration/test_bus.py):
 
 * a topic has partitions; records with the same key go to the same partition, in order;
 * consumers in a group share a topic's partitions; every group sees every record;

@@ -12,7 +12,7 @@ serves every sequence length.
 Compiling takes about 40 s a bucket on two cores, so it happens behind the engine, not before
 it: `start` compiles the buckets on a thread of their own, smallest first, while the engine
 decodes eager; each bucket's steps switch to its graph once it has run (`is_ready`). Both paths
-compute the same tokens (tests/test_compiled_decode.py), so a request that crosses the switch
+compute the same tokens (tests/system/test_compiled_decode.py), so a request that crosses the switch
 reads as if it had run on either. Inductor keeps what it compiled on disk (TORCHINDUCTOR_CACHE_DIR,
 .cache/torchinductor unless set: engine/__init__.py): a later start with the same model shape,
 torch and model code loads the graphs instead of compiling them, in seconds.
@@ -282,7 +282,7 @@ class CompiledDecode:
         # Once a bucket's graph is compiled, nothing Dynamo checks before a call changes: the bucket
         # fixes the batch, the weights and the state tensors are the same objects for the engine's
         # life, and the one size that varies, the block-table width, is a dynamic dimension of the
-        # graph (tests/test_compiled_decode.py checks that wider tables pass its guards). So a later
+        # graph (tests/system/test_compiled_decode.py checks that wider tables pass its guards). So a later
         # call runs the code Dynamo made for the graph directly: no guards, and no Dynamo hook on
         # every Python frame the call runs (1.2x the step at batch 1 here).
         direct = self._direct.get(size)

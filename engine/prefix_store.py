@@ -5,7 +5,7 @@ The engine imports no service: this Protocol states, in bytes and plain data
 it a store that has them. Two do: the cache service's HTTP client (cache_svc/client.py), for
 prefill and decode replicas on other hosts, and the store itself (cache_svc/store.py), for
 every service in one process. Neither is named here; both match by shape
-(tests/test_prefix.py checks that they do).
+(tests/unit/test_prefix.py checks that they do).
 """
 
 from __future__ import annotations

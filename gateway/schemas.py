@@ -7,7 +7,7 @@ api_schemas.json (the SDKs are test dependencies, not the gateway's) by
 
     python -m gateway.schemas
 
-and tests/test_fuzz.py checks that the file matches the installed SDKs.
+and tests/integration/test_fuzz.py checks that the file matches the installed SDKs.
 """
 
 from __future__ import annotations

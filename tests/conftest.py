@@ -1,4 +1,9 @@
-"""Shared fixtures: small random checkpoints written once per test session."""
+"""Shared fixtures (small random checkpoints written once per test session) and the check that
+nothing a test started outlives the run.
+
+Tiers: tests/unit (no subprocess, network or broker), tests/integration (the stack's real
+Kafka, PostgreSQL and Redis; the mesh embedded in this process), tests/system (services as
+processes of their own, compiled engines, the reference matrices)."""
 
 from __future__ import annotations
 
@@ -10,13 +15,30 @@ import torch
 
 from engine import LLMEngine
 from engine.checkpoint.make_model import write_checkpoint
+from tests.support.leftovers import mark_this_run, wait_for_leftovers
 from tests.support.models import PARITY_CONFIGS
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 # Every service the tests start decodes eager: compiling takes ~40 s a batch bucket on a fresh
-# machine. tests/test_compiled_decode.py compiles once and checks the compiled step's tokens.
+# machine. tests/system/test_compiled_decode.py compiles once and checks the compiled step's tokens.
 os.environ["DEEPMESH_COMPILE_DECODE"] = "0"
+
+THIS_RUN = mark_this_run()
+STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the run if a process one of its tests started is still alive (and end it)."""
+    found = wait_for_leftovers(THIS_RUN, STACK_DIR)
+    if not found:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", f"{len(found)} process(es) started by this run outlived it (now killed)", red=True)
+        for leftover in found:
+            reporter.write_line(str(leftover))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """What a client of the gateway sees, whatever the deployment.
 
-The same tests run against the embedded mode (tests/test_gateway.py: every service in one
-process over the in-process bus) and the distributed mode (tests/test_distributed.py:
+The same tests run against the embedded mode (tests/integration/test_gateway.py: every service in one
+process over the in-process bus) and the distributed mode (tests/system/test_distributed.py:
 every service in its own OS process over Apache Kafka and PostgreSQL). Both modules provide:
 
 * `service`: url, model (checkpoint path), decode_running() and pinned_by(job_id) (cache leases),

@@ -1,7 +1,7 @@
-"""Faults while jobs run: the harness behind tests/test_chaos.py and benchmarks/chaos_soak.py.
+"""Faults while jobs run: the harness behind tests/system/test_chaos.py and benchmarks/chaos_soak.py.
 
 Every service is an OS process over the stack's real Apache Kafka and PostgreSQL (a
-tests/test_distributed.Cluster), two replicas of each worker. While clients stream answers and
+tests/support/cluster.py), two replicas of each worker. While clients stream answers and
 submit async jobs, `Faults` SIGKILLs a process of a random kind every few seconds and starts
 a new one in its place, and SIGKILLs the broker once and starts it again. Each answer is
 compared with the same greedy request computed in this process.
@@ -30,7 +30,7 @@ from tests.support.infra import wait_until_up
 from tests.support.models import reference_engine
 from tokenizer_svc.protocol import Codec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("tokenizer", "prefill", "decode")
 
 

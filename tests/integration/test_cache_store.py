@@ -3,7 +3,7 @@
 Real tiers (a memory dict, real directories, a real Redis server) and a real catalog (the
 stack's PostgreSQL under `make test`), with a controllable clock. The store keeps bytes: the
 states here are synthetic bytes, and the store must return exactly what it was given. (How
-the engine's state becomes these bytes: tests/test_state_transfer.py.)
+the engine's state becomes these bytes: tests/unit/test_state_transfer.py.)
 """
 
 from __future__ import annotations

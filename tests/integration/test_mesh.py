@@ -147,7 +147,7 @@ def test_unparseable_records_go_to_the_dead_letter_topic(mesh):
 
 
 def test_a_decode_worker_dying_mid_job_loses_and_repeats_nothing(tiny_preset, tmp_path):
-    """In-process, on the in-process bus; tests/test_distributed.py kills a real decode process on Kafka."""
+    """In-process, on the in-process bus; tests/system/test_distributed.py kills a real decode process on Kafka."""
     from decode_svc.worker import DecodeWorker
 
     bus = MemoryBus()

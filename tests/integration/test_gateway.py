@@ -111,7 +111,7 @@ def test_each_request_keeps_its_prefixes_as_long_as_its_retention_class_says(ser
 
 class _BrokerAway(MemoryBus):
     """A bus whose broker does not take requests: what a client meets while Kafka restarts
-    (tests/test_chaos.py restarts a real broker)."""
+    (tests/system/test_chaos.py restarts a real broker)."""
 
     def produce_batch(self, topic, records) -> list[tuple[int, int]]:
         if topic.endswith("requests"):
@@ -152,67 +152,3 @@ def _job_count(jobs) -> int:
 
     with jobs.session() as session:
         return session.scalar(select(func.count()).select_from(Job))
-
-
-def test_a_batch_survives_the_server_being_killed_mid_batch(model, tmp_path):
-    """`deepmesh serve` SIGKILLed while a batch runs: started again on the same database and
-    files, it finishes the batch, every request answered once, as the request alone is."""
-    import io
-    import json
-    import signal
-    import subprocess
-    import sys
-
-    import openai
-
-    from tests.support.batch_behaviour import PROMPTS, chat_line, jsonl, wait_for_batch
-    from tests.support.behaviour import GREEDY
-    from tests.support.infra import free_port, fresh_database, wait_until_up
-
-    port = free_port()
-    env = {
-        **os.environ,
-        "DEEPMESH_DATABASE_URL": fresh_database(tmp_path),
-        "DEEPMESH_FILES_DIR": str(tmp_path / "files"),
-        "DEEPMESH_CLAIM_DIR": str(tmp_path / "claims"),
-        "DEEPMESH_CACHE_DIR": str(tmp_path / "kv"),
-        "DEEPMESH_TRACE_EXPORTER": "none",
-        "DEEPMESH_BATCH_ROUND_SECONDS": "0.2",
-        "DEEPMESH_BATCH_IN_FLIGHT": "16",
-    }
-    command = [sys.executable, "-m", "deepmesh.cli", "serve", "--port", str(port), "--model", str(model)]
-    command += ["--served-model-name", MODEL]
-    url = f"http://127.0.0.1:{port}"
-
-    def serve(n: int) -> subprocess.Popen:
-        log = open(tmp_path / f"serve-{n}.log", "w")  # noqa: SIM115 (lives with the process)
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        wait_until_up(f"{url}/readyz", [process], 180, f"see {tmp_path}")
-        return process
-
-    server = serve(0)
-    try:
-        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        lines = [chat_line(f"r{i}", PROMPTS[i % len(PROMPTS)], 8, thinking={"type": "disabled"}) for i in range(48)]
-        upload = oai.files.create(file=("r.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-        batch = oai.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-        wait_for_batch(oai.batches.retrieve, batch.id, lambda b: b.request_counts and b.request_counts.completed >= 8)
-        server.send_signal(signal.SIGKILL)
-        server.wait(timeout=30)
-        server = serve(1)
-        batch = wait_for_batch(oai.batches.retrieve, batch.id, lambda b: b.status in ("completed", "failed"))
-        assert batch.status == "completed" and batch.request_counts.completed == 48, batch
-        output = [json.loads(x) for x in oai.files.content(batch.output_file_id).text.splitlines()]
-        assert sorted(line["custom_id"] for line in output) == sorted(f"r{i}" for i in range(48))
-        alone = {}
-        for prompt in PROMPTS:
-            reply = oai.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, **GREEDY
-            )
-            alone[prompt] = reply.choices[0].message.content
-        for line in output:
-            prompt = PROMPTS[int(line["custom_id"][1:]) % len(PROMPTS)]
-            assert line["response"]["body"]["choices"][0]["message"]["content"] == alone[prompt]
-    finally:
-        server.send_signal(signal.SIGKILL)
-        server.wait(timeout=30)

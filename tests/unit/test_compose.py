@@ -14,7 +14,7 @@ import yaml
 from common.settings import Settings
 from deepmesh.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 DEEPMESH = {name: s for name, s in SERVICES.items() if s.get("command", [None])[0] == "deepmesh"}

@@ -102,7 +102,7 @@ def _alternate(workers, done: threading.Event) -> None:
 
 class _TokensSendFailsOnce(MemoryBus):
     """A bus whose next send to `tokens` fails after `arm()`: a broker that did not acknowledge
-    in time (tests/test_chaos.py stops a real broker)."""
+    in time (tests/system/test_chaos.py stops a real broker)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,5 +1,5 @@
 """The JSON-lines trace file that `deepmesh trace` reads (the cross-process trace is tested in
-tests/test_distributed.py)."""
+tests/system/test_distributed.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,45 @@
+"""The end-of-run check that nothing a test started outlives the run (tests/conftest.py), with a
+mark of its own so that it sees only what it starts here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+
+from tests.support.leftovers import MARK, leftovers, wait_for_leftovers
+
+
+def sleeper(token: str | None) -> subprocess.Popen:
+    """A process in a session of its own, as an orphaned beat would be, with the mark `token`."""
+    env = {key: value for key, value in os.environ.items() if key != MARK}
+    if token is not None:
+        env[MARK] = token
+    return subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+
+
+def test_a_process_the_run_started_is_found_wherever_it_went_and_killed(tmp_path):
+    token = uuid.uuid4().hex
+    marked, unmarked = sleeper(token), sleeper(None)
+    try:
+        assert [leftover.pid for leftover in leftovers(token, tmp_path)] == [marked.pid]
+        assert [leftover.pid for leftover in wait_for_leftovers(token, tmp_path, grace=0.5)] == [marked.pid]
+        assert marked.wait(timeout=10) == -9  # killed, so that a failed run leaves nothing behind
+        assert leftovers(token, tmp_path) == []
+    finally:
+        for process in (marked, unmarked):
+            process.kill()
+            process.wait()
+
+
+def test_the_stacks_own_processes_are_left_alone(tmp_path):
+    """A broker a test restarted is left running on purpose: its pid file names it."""
+    token = uuid.uuid4().hex
+    broker = sleeper(token)
+    try:
+        assert [leftover.pid for leftover in leftovers(token, tmp_path)] == [broker.pid]
+        (tmp_path / "kafka.pid").write_text(f"{broker.pid}\n")
+        assert leftovers(token, tmp_path) == []
+    finally:
+        broker.kill()
+        broker.wait()
