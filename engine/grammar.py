@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.errors import InvalidRequestError
@@ -59,7 +58,12 @@ class GrammarCompiler:
             return []
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(m, n) for n, m in enumerate(matchers)], bitmask)
+        # what llguidance.torch.fill_next_token_bitmask_par does, without importing that module:
+        # its import compiles a kernel with torch.compile, which loads Dynamo and Inductor (~5 s
+        # at every service's start) for a function the engine never calls
+        self.executor.unsafe_compute_mask_ptr(
+            [(m, n) for n, m in enumerate(matchers)], bitmask.data_ptr(), words * 4, len(matchers)
+        )
         allowed = []
         for row in bitmask:
             (used,) = row.nonzero(as_tuple=True)  # most words allow none of their 32 tokens, or all
