@@ -15,6 +15,7 @@ exactly where it was.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,14 +27,20 @@ from engine.errors import InvalidRequestError
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
+@functools.cache
+def _llg_tokenizer(tokenizer_file: str, vocab_size: int, eos_token_id: int) -> llguidance.LLTokenizer:
+    """Read once per process (~2 s for a 129k vocabulary) and shared by its engines: it is
+    immutable. `slices` speed the mask up for JSON, which is most of what is constrained."""
+    return llguidance.LLTokenizer(
+        tokenizer_file, n_vocab=vocab_size, eos_token=eos_token_id, slices=llguidance.LLTokenizer.json_slices()
+    )
+
+
 class GrammarCompiler:
     """The model's tokenizer as llguidance sees it, and matchers made with it."""
 
     def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_token_id: int):
-        # `slices` speed the mask up for JSON, which is most of what is constrained
-        self.tokenizer = llguidance.LLTokenizer(
-            str(tokenizer_file), n_vocab=vocab_size, eos_token=eos_token_id, slices=llguidance.LLTokenizer.json_slices()
-        )
+        self.tokenizer = _llg_tokenizer(str(tokenizer_file), vocab_size, eos_token_id)
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.executor = llguidance.LLExecutor(num_threads=2)

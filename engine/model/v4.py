@@ -617,7 +617,11 @@ class DeepseekV4Model(nn.Module):
         self.rotary = {
             label: RotaryEmbedding(config.rope_parameters[label], rope_dim, max_pos) for label in ("main", "compress")
         }
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built on the meta device and filled from the checkpoint: given its (empty) weight, the
+        # embedding skips a random init whose meta-device path imports Dynamo (~3 s a process)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)

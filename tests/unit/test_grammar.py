@@ -212,8 +212,11 @@ def test_asking_the_grammar_first_chooses_what_masking_every_step_would(engine, 
     for grammar, prompt in cases:
         out = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, grammar=grammar))[0]
         matcher = engine.grammars.matcher(grammar, [])
+        # the scores of every next token at once: position i of a causal model's prompt sees
+        # the text up to i (tests/system/test_parity.py holds these to transformers')
+        every = engine.score(prompt + out.token_ids)[len(prompt) - 1 :]
         for step, token in enumerate(out.token_ids):
-            scores = engine.score(prompt + out.token_ids[:step])[-1]
+            scores = every[step]
             allowed = engine.grammars.allowed([matcher])[0]
             assert token == int(allowed[scores[allowed].argmax()]), (grammar[:60], step)
             assert matcher.consume_token(token)
