@@ -17,8 +17,11 @@ from engine import LLMEngine
 from engine.checkpoint.make_model import write_checkpoint
 from tests.support.leftovers import mark_this_run, wait_for_leftovers
 from tests.support.models import PARITY_CONFIGS
+from tests.support.parallel import ids_run_once
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# one thread a worker when pytest-xdist runs two: the tiny models' steps gain nothing from a second
+workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // workers))
 
 # Every service the tests start decodes eager: compiling takes ~40 s a batch bucket on a fresh
 # machine. tests/system/test_compiled_decode.py compiles once and checks the compiled step's tokens.
@@ -26,6 +29,11 @@ os.environ["DEEPMESH_COMPILE_DECODE"] = "0"
 
 THIS_RUN = mark_this_run()
 STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if shared := ids_run_once(items):
+        raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -36,8 +36,9 @@ class Leftover:
 
 
 def mark_this_run() -> str:
-    """Mark this process's environment, and so every process it starts from now on."""
-    os.environ.setdefault(MARK, uuid.uuid4().hex)
+    """Mark this process's environment, and so every process it starts from now on, with a
+    token of its own (each pytest-xdist worker checks what it started, not its neighbour's)."""
+    os.environ[MARK] = uuid.uuid4().hex
     return os.environ[MARK]
 
 

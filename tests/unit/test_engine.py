@@ -1,4 +1,5 @@
-"""Engine behaviour: chunked prefill, continuous batching, preemption, abort, sampling, stops."""
+"""Engine behaviour: continuous batching, preemption, abort, sampling, stops. (Chunked prefill at
+every chunk size: tests/system/test_engine_sweeps.py.)"""
 
 from __future__ import annotations
 
@@ -22,14 +23,6 @@ def expected(tiny_model) -> dict[int, list[int]]:
 def _all_state_free(engine: LLMEngine) -> bool:
     cache = engine.cache
     return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 64, 128, 333])
-def test_chunked_prefill_gives_same_greedy_output(tiny_model, expected, chunk):
-    engine = LLMEngine(tiny_model, max_num_batched_tokens=chunk)
-    outputs = engine.generate(random_prompts(LENGTHS, seed=3), GREEDY)
-    assert {len(o.prompt_token_ids): o.token_ids for o in outputs} == expected
-    assert _all_state_free(engine)
 
 
 def test_requests_join_and_leave_between_steps(engine, expected):

@@ -1,0 +1,14 @@
+"""What running the suite on pytest-xdist workers needs of its tests."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+
+def ids_run_once(items: Iterable[Any]) -> list[str]:
+    """The ids that more than one test shares, outside the tests marked `alone`: the workers
+    receive tests by id, so of several under one id only one would run, and no one would know."""
+    counts = Counter(item.nodeid for item in items if item.get_closest_marker("alone") is None)
+    return sorted(nodeid for nodeid, n in counts.items() if n > 1)
