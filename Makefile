@@ -37,8 +37,9 @@ lint: $(INSTALLED)
 # by scripts/stack (left running, so the next run starts in seconds; `make stack-down` stops them).
 # Tiers: tests/unit (no subprocess, network or broker), tests/integration (the stack, the mesh
 # embedded), tests/system (services as processes, compiled engines, the reference matrices).
-# Two workers (pytest-xdist), each module whole in one of them: most of a test's time is spent
-# waiting on processes and the broker. Then the tests marked `alone`, by themselves.
+# The unit and integration tiers on two workers (pytest-xdist), each module whole in one of them:
+# most of their time is spent waiting on the broker. Then the tests marked `alone` by themselves:
+# the system tier (clusters, compiles and restarts that take both cores) and schemathesis's.
 test: lint
 	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 && \
 	$(BIN)/pytest -n 2 --dist loadfile -m "not alone" && $(BIN)/pytest -m alone

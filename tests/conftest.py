@@ -31,7 +31,16 @@ THIS_RUN = mark_this_run()
 STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
 
 
+SYSTEM_TIER = Path(__file__).resolve().parent / "system"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The system tier runs alone (after the parallel part of `make test`): its clusters, compiles
+    and restarts take both cores, and its tests wait on deadlines that a neighbour would miss."""
+    for item in items:
+        if SYSTEM_TIER in item.path.parents:
+            item.add_marker(pytest.mark.alone)
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
 

@@ -9,8 +9,6 @@ import pytest
 from tests.support.chaos import Faults, Outcome, body, expected_answers, run_jobs, run_streams, start_cluster, summary
 from tests.support.infra import require_service
 
-pytestmark = pytest.mark.alone  # it restarts the broker every other test talks to
-
 
 @pytest.fixture(scope="module")
 def model(tiny_preset):
