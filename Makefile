@@ -42,7 +42,7 @@ lint: $(INSTALLED)
 # the system tier (clusters, compiles and restarts that take both cores) and schemathesis's.
 test: lint
 	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 && \
-	$(BIN)/pytest -n 2 --dist loadfile -m "not alone" && $(BIN)/pytest -m alone
+	$(BIN)/pytest -n 2 --dist loadfile -m "not alone" --durations=15 && $(BIN)/pytest -m alone --durations=15
 
 # the unit tier alone: no stack, under 90 s
 test-unit: $(INSTALLED)

@@ -217,9 +217,9 @@ def _compile_decode(args: argparse.Namespace, settings) -> bool:
     if compile_decode:
         logging.getLogger("engine.compiled_decode").setLevel(logging.INFO)
         print(
-            "compiling the decode step in the background, one graph per batch size (about 40 s each on two "
-            "cores the first time; later starts load them from .cache/torchinductor in seconds); requests are "
-            "answered meanwhile, eager; --no-compile: no graphs",
+            "compiling the decode step in the background, one graph per batch size (about two minutes each "
+            "for the tiny preset on two cores the first time; later starts load them from .cache/torchinductor); "
+            "requests are answered meanwhile, eager; --no-compile: no graphs",
             file=sys.stderr,
         )
     return compile_decode

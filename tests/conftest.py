@@ -23,7 +23,7 @@ from tests.support.parallel import ids_run_once
 workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // workers))
 
-# Every service the tests start decodes eager: compiling takes ~40 s a batch bucket on a fresh
+# Every service the tests start decodes eager: compiling takes minutes a batch bucket on a fresh
 # machine. tests/system/test_compiled_decode.py compiles once and checks the compiled step's tokens.
 os.environ["DEEPMESH_COMPILE_DECODE"] = "0"
 
