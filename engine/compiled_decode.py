@@ -9,14 +9,14 @@ cache's scratch slot and scratch block, so they touch no sequence's state. The b
 width is a dynamic dimension (padded to a minimum: `min_width`), so one graph per bucket
 serves every sequence length.
 
-Compiling takes about 40 s a bucket on two cores, so it happens behind the engine, not before
-it: `start` compiles the buckets on a thread of their own, smallest first, while the engine
-decodes eager; each bucket's steps switch to its graph once it has run (`is_ready`). Both paths
-compute the same tokens (tests/system/test_compiled_decode.py), so a request that crosses the switch
-reads as if it had run on either. Inductor keeps what it compiled on disk (TORCHINDUCTOR_CACHE_DIR,
-.cache/torchinductor unless set: engine/__init__.py): a later start with the same model shape,
-torch and model code loads the graphs instead of compiling them, in seconds.
-"""
+Compiling takes minutes a bucket on two cores (about two for the tiny preset), so it happens
+behind the engine, not before it: `start` compiles the buckets on a thread of their own,
+smallest first, while the engine decodes eager; each bucket's steps switch to its graph once it
+has run (`is_ready`). Both paths compute the same tokens (tests/system/test_compiled_decode.py),
+so a request that crosses the switch reads as if it had run on either. Inductor keeps what it
+compiled on disk (TORCHINDUCTOR_CACHE_DIR, .cache/torchinductor unless set: engine/__init__.py):
+a later start with the same model shape, torch and model code loads the graphs instead of
+compiling them, in seconds."""
 
 from __future__ import annotations
 

@@ -28,9 +28,9 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 @functools.cache
-def _llg_tokenizer(tokenizer_file: str, vocab_size: int, eos_token_id: int) -> llguidance.LLTokenizer:
-    """Read once per process (~2 s for a 129k vocabulary) and shared by its engines: it is
-    immutable. `slices` speed the mask up for JSON, which is most of what is constrained."""
+def _llg_tokenizer(tokenizer_file: str, version: tuple[int, int], vocab_size: int, eos_token_id: int):
+    """Read once per process and file version (~2 s for a 129k vocabulary) and shared by its
+    engines: it is immutable. `slices` speed the mask up for JSON, most of what is constrained."""
     return llguidance.LLTokenizer(
         tokenizer_file, n_vocab=vocab_size, eos_token=eos_token_id, slices=llguidance.LLTokenizer.json_slices()
     )
@@ -40,7 +40,8 @@ class GrammarCompiler:
     """The model's tokenizer as llguidance sees it, and matchers made with it."""
 
     def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_token_id: int):
-        self.tokenizer = _llg_tokenizer(str(tokenizer_file), vocab_size, eos_token_id)
+        stat = Path(tokenizer_file).stat()  # a file written again at the same path is read again
+        self.tokenizer = _llg_tokenizer(str(tokenizer_file), (stat.st_mtime_ns, stat.st_size), vocab_size, eos_token_id)
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.executor = llguidance.LLExecutor(num_threads=2)
