@@ -71,10 +71,11 @@ def leftovers(token: str, stack_dir: Path) -> list[Leftover]:
             continue
         if wanted not in _read(entry / "environ").split(b"\0"):
             continue
-        status = _read(entry / "stat").decode()
-        if not status or status.rsplit(")", 1)[1].split()[0] == "Z":  # gone, or a zombie: already dead
+        # /proc/PID/stat: "pid (command) state ppid ...", the command may hold spaces and ")"
+        fields = _read(entry / "stat").decode().rpartition(")")[2].split()
+        if not fields or fields[0] == "Z":  # gone, or a zombie: already dead
             continue
-        parent = int(status.rsplit(")", 1)[1].split()[1])
+        parent = int(fields[1])
         command = _read(entry / "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
         pid = int(entry.name)
         if pid in stack or parent in stack:
