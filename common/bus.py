@@ -302,6 +302,11 @@ class MemoryConsumer:
 # -- Apache Kafka -------------------------------------------------------------------------------
 
 
+# kafka-python backs off reconnecting exponentially up to 30 s: a service would then stay idle
+# for up to half a minute after a restarted broker is back. A second at most, on a local network.
+RECONNECT_BACKOFF_MAX_MS = 1_000
+
+
 class KafkaBus:
     """kafka-python: an idempotent acks=all producer, consumer groups with manual commits."""
 
@@ -333,6 +338,7 @@ class KafkaBus:
             enable_idempotence=True,
             linger_ms=1,
             request_timeout_ms=30_000,
+            reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
         )
 
     def create_topics(self, names: Iterable[str], partitions: int, short_lived: bool = False) -> None:
@@ -411,6 +417,7 @@ class KafkaConsumerAdapter:
             session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=1_000,
             metadata_max_age_ms=10_000,  # a topic created after start-up is noticed within seconds
+            reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
         )
         # Subscribe only once this client knows every topic's partitions: a member that joins
         # its group before that is assigned nothing, and nothing rebalances until metadata is

@@ -37,9 +37,11 @@ SYSTEM_TIER = Path(__file__).resolve().parent / "system"
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The system tier runs alone (after the parallel part of `make test`): its clusters, compiles
-    and restarts take both cores, and its tests wait on deadlines that a neighbour would miss."""
+    and restarts take both cores, and its tests wait on deadlines that a neighbour would miss.
+    Its `in_process` modules (long computations in the test's own process, no deadline) run in
+    the parallel part, on the cores the integration tier leaves idle while it waits on the broker."""
     for item in items:
-        if SYSTEM_TIER in item.path.parents:
+        if SYSTEM_TIER in item.path.parents and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.alone)
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -29,6 +30,18 @@ def chat_line(custom_id: str, prompt: str, max_tokens: int = 6, **extra) -> dict
 
 def jsonl(lines: list[dict]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def answers_alone(oai: openai.OpenAI, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt's greedy answer as a request of its own (all sent at once), by prompt."""
+
+    def ask(prompt: str) -> str:
+        messages = [{"role": "user", "content": prompt}]
+        reply = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, **GREEDY)
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return dict(zip(prompts, pool.map(ask, prompts), strict=True))
 
 
 def wait_for_batch(retrieve, batch_id: str, ended, timeout: float = 600):
@@ -58,12 +71,8 @@ class BatchBehaviour(SDKClients):
 
     def test_a_batch_answers_every_custom_id_as_the_request_alone_would(self, oai):
         """100 lines, more than run at once (64 by default): the runner sends them over rounds."""
-        alone = {}
-        for prompt in PROMPTS:
-            reply = oai.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6, **GREEDY
-            )
-            alone[prompt] = reply.choices[0].message.content
+
+        alone = answers_alone(oai, PROMPTS, max_tokens=6)
         lines = [chat_line(f"req-{i}", PROMPTS[i % len(PROMPTS)], thinking={"type": "disabled"}) for i in range(100)]
         lines.append(chat_line("no-messages", "x") | {"body": {"model": MODEL, "max_tokens": 4}})  # fails alone
         upload = oai.files.create(file=("requests.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
@@ -147,7 +156,7 @@ class BatchBehaviour(SDKClients):
         assert response.status_code == 413 and "200 MB" in response.json()["error"]["message"]
 
     def test_cancel_stops_the_rest_and_keeps_what_finished(self, oai):
-        lines = [chat_line(f"r{i}", PROMPTS[i % len(PROMPTS)], max_tokens=24) for i in range(300)]
+        lines = [chat_line(f"r{i}", PROMPTS[i % len(PROMPTS)], max_tokens=12) for i in range(300)]
         upload = oai.files.create(file=("many.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
         batch = oai.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
         wait_for_batch(oai.batches.retrieve, batch.id, lambda b: b.request_counts and b.request_counts.completed > 0)

@@ -87,17 +87,26 @@ class ServerThread:
 
 def one_process_answer(model: Path, body: dict, endpoint: str = "chat.completions") -> dict:
     """The complete response to a greedy request, computed by the engine in this process."""
+    return one_process_answers(model, [(endpoint, body)])[0]
+
+
+def one_process_answers(model: Path, requests: list[tuple[str, dict]]) -> list[dict]:
+    """The complete responses to greedy (endpoint, body) requests, computed by the engine in this
+    process as one batch: a step costs about the same for one sequence as for eight, so the
+    answers to many requests take as long as the longest."""
     codec = Codec.for_model(model, MODEL)
-    prompt = codec.prompt(endpoint, body)
-    assert prompt.temperature == 0, "compare greedy requests only"
-    engine = reference_engine(model)
-    params = SamplingParams(max_tokens=prompt.max_tokens, temperature=0, grammar=prompt.grammar)
-    out = engine.generate([prompt.token_ids], params)[0]
-    stream = codec.output(endpoint, body, "reference")
-    stream.start(len(prompt.token_ids))
-    stream.tokens(out.token_ids)
-    stream.finish(out.finish_reason)
-    return stream.body()
+    prompts = [codec.prompt(endpoint, body) for endpoint, body in requests]
+    assert all(prompt.temperature == 0 for prompt in prompts), "compare greedy requests only"
+    params = [SamplingParams(max_tokens=p.max_tokens, temperature=0, grammar=p.grammar) for p in prompts]
+    outputs = reference_engine(model).generate([p.token_ids for p in prompts], params)
+    answers = []
+    for (endpoint, body), prompt, out in zip(requests, prompts, outputs, strict=True):
+        stream = codec.output(endpoint, body, "reference")
+        stream.start(len(prompt.token_ids))
+        stream.tokens(out.token_ids)
+        stream.finish(out.finish_reason)
+        answers.append(stream.body())
+    return answers
 
 
 class ScriptedModel:

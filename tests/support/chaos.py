@@ -23,12 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from engine import SamplingParams
-from tests.support.behaviour import MODEL, sse_events
+from tests.support.behaviour import MODEL, one_process_answers, sse_events
 from tests.support.cluster import Cluster
 from tests.support.infra import wait_until_up
-from tests.support.models import reference_engine
-from tokenizer_svc.protocol import Codec
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("tokenizer", "prefill", "decode")
@@ -48,21 +45,8 @@ def body(i: int, max_tokens: int = 24) -> dict:
 
 def expected_answers(model: Path, bodies: list[dict]) -> list[tuple[str, str]]:
     """(content, finish_reason) of each request, computed by one engine in this process."""
-    codec = Codec.for_model(model, MODEL)
-    prompts = [codec.prompt("chat.completions", request) for request in bodies]
-    engine = reference_engine(model)
-    params = SamplingParams(max_tokens=prompts[0].max_tokens, temperature=0)
-    answers = []
-    for request, prompt, out in zip(
-        bodies, prompts, engine.generate([p.token_ids for p in prompts], params), strict=True
-    ):
-        stream = codec.output("chat.completions", request, "reference")
-        stream.start(len(prompt.token_ids))
-        stream.tokens(out.token_ids)
-        stream.finish(out.finish_reason)
-        choice = stream.body()["choices"][0]
-        answers.append((choice["message"]["content"], choice["finish_reason"]))
-    return answers
+    answers = one_process_answers(model, [("chat.completions", body) for body in bodies])
+    return [(a["choices"][0]["message"]["content"], a["choices"][0]["finish_reason"]) for a in answers]
 
 
 def start_cluster(root: Path, model: Path, replicas: int = 2) -> Cluster:

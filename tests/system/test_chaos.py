@@ -17,14 +17,14 @@ def model(tiny_preset):
 
 def test_streams_and_jobs_survive_every_kind_of_kill_and_a_broker_restart(model, tmp_path):
     require_service("DEEPMESH_KAFKA_BOOTSTRAP")
-    bodies = [body(i, max_tokens=48) for i in range(30)]
+    bodies = [body(i, max_tokens=16) for i in range(30)]
     expected = expected_answers(model, bodies)
     cluster = start_cluster(tmp_path, model, replicas=2)
     streams, jobs = Outcome(), Outcome()
     try:
         # streams (the gateway stays up): each worker kind, the cache and the broker, one after another
         with Faults(cluster, ["tokenizer", "prefill", "decode", "cache", "broker"], every=3.0) as faults:
-            run_streams(cluster.url, bodies[:22], expected[:22], 180, streams, spacing=0.7, until=faults.finished)
+            run_streams(cluster.url, bodies[:22], expected[:22], 180, streams, spacing=1.0, until=faults.finished)
         # async jobs: the gateway killed too, and a decode
         with Faults(cluster, ["gateway", "decode"], every=2.0) as job_faults:
             run_jobs(cluster.url, bodies[22:], expected[22:], timeout=180, outcome=jobs)

@@ -15,6 +15,8 @@ import pytest
 from engine import LLMEngine, SamplingParams, StateSnapshot
 from tests.support.models import PARITY_CONFIGS, decode_to_end, prefill_and_export, random_prompts
 
+pytestmark = pytest.mark.in_process  # no services, no deadline: beside the integration tier
+
 LENGTHS = (1, 17, 129, 300, 520)
 GREEDY_24 = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 GREEDY = SamplingParams(max_tokens=24, temperature=0)

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.checkpoint.make_model import preset_config, write_checkpoint
+
+pytestmark = pytest.mark.in_process  # no services, no deadline: beside the integration tier
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -119,8 +119,7 @@ def test_a_batch_survives_the_server_being_killed_mid_batch(model, tmp_path):
 
     import openai
 
-    from tests.support.batch_behaviour import PROMPTS, chat_line, jsonl, wait_for_batch
-    from tests.support.behaviour import GREEDY
+    from tests.support.batch_behaviour import PROMPTS, answers_alone, chat_line, jsonl, wait_for_batch
     from tests.support.infra import free_port, fresh_database, wait_until_up
 
     port = free_port()
@@ -158,12 +157,7 @@ def test_a_batch_survives_the_server_being_killed_mid_batch(model, tmp_path):
         assert batch.status == "completed" and batch.request_counts.completed == 48, batch
         output = [json.loads(x) for x in oai.files.content(batch.output_file_id).text.splitlines()]
         assert sorted(line["custom_id"] for line in output) == sorted(f"r{i}" for i in range(48))
-        alone = {}
-        for prompt in PROMPTS:
-            reply = oai.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, **GREEDY
-            )
-            alone[prompt] = reply.choices[0].message.content
+        alone = answers_alone(oai, PROMPTS, max_tokens=8)
         for line in output:
             prompt = PROMPTS[int(line["custom_id"][1:]) % len(PROMPTS)]
             assert line["response"]["body"]["choices"][0]["message"]["content"] == alone[prompt]

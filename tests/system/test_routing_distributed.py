@@ -135,7 +135,7 @@ def stream_text(url: str, body: dict, into: dict, key: str) -> None:
 
 
 def test_a_held_up_decode_replica_gets_no_new_jobs_and_its_jobs_finish_elsewhere(cluster, model):
-    from tests.support.behaviour import one_process_answer
+    from tests.support.behaviour import one_process_answers
 
     bodies = [
         {
@@ -181,14 +181,15 @@ def test_a_held_up_decode_replica_gets_no_new_jobs_and_its_jobs_finish_elsewhere
         assert not any(stream.is_alive() for stream in streams), "a stream of the held-up replica never finished"
     finally:
         victim.send_signal(signal.SIGCONT)
-    for i, body in enumerate(bodies):
-        reference = {**{k: v for k, v in body.items() if k != "extra_body"}, **body["extra_body"]}
-        assert answers[f"s{i}"] == one_process_answer(model, reference)["choices"][0]["message"]["content"]
+    references = [{**{k: v for k, v in b.items() if k != "extra_body"}, **b["extra_body"]} for b in bodies]
+    expected = one_process_answers(model, [("chat.completions", reference) for reference in references])
+    for i, answer in enumerate(expected):
+        assert answers[f"s{i}"] == answer["choices"][0]["message"]["content"]
     wait_for_replicas(cluster, prefill=2, decode=2)  # back in rotation
 
 
 def test_a_killed_prefill_replica_loses_no_job(cluster, model):
-    from tests.support.behaviour import one_process_answer
+    from tests.support.behaviour import one_process_answers
 
     bodies = [
         {
@@ -222,9 +223,10 @@ def test_a_killed_prefill_replica_loses_no_job(cluster, model):
         asker.join(timeout=240)
     cluster.spawn("prefill")  # back to two for the tests after this one
     assert sorted(replies) == list(range(6))
-    for i, body in enumerate(bodies):
+    expected = one_process_answers(model, [("chat.completions", body) for body in bodies])
+    for i, answer in enumerate(expected):
         assert "choices" in replies[i], f"reply {i}: {replies[i]}"
-        assert replies[i]["choices"] == one_process_answer(model, body)["choices"]
+        assert replies[i]["choices"] == answer["choices"]
     wait_for_replicas(cluster, prefill=2, decode=2)
 
 
@@ -256,7 +258,7 @@ def test_over_the_admission_bound_a_call_is_refused_with_429_and_async_jobs_wait
     are never refused: they queue and run."""
     url = strict_gateway
     job_ids = []
-    for i in range(8):  # some 16,000 prompt tokens ahead of any new call: seconds of prefill
+    for i in range(4):  # some 8,000 prompt tokens ahead of any new call: seconds of prefill
         # each its own from the first word: prompts that shared one would be mostly cached, and
         # the queue only a few hundred tokens deep
         long_prompt = [{"role": "user", "content": f"{i} " + "Summarise the history of message queues. " * 280}]
