@@ -38,8 +38,10 @@ lint: $(INSTALLED)
 # Tiers: tests/unit (no subprocess, network or broker), tests/integration (the stack, the mesh
 # embedded), tests/system (services as processes, compiled engines, the reference matrices).
 # The unit and integration tiers on two workers (pytest-xdist), each module whole in one of them:
-# most of their time is spent waiting on the broker. Then the tests marked `alone` by themselves:
-# the system tier (clusters, compiles and restarts that take both cores) and schemathesis's.
+# most of their time is spent waiting on the broker; the system tier's in_process modules (engine
+# computations, no services) fill what that leaves idle. Then the tests marked `alone` by
+# themselves: the rest of the system tier (clusters, compiles and restarts that take both cores)
+# and schemathesis's.
 test: lint
 	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 && \
 	$(BIN)/pytest -n 2 --dist loadfile -m "not alone" --durations=15 && $(BIN)/pytest -m alone --durations=15

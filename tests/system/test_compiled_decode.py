@@ -57,6 +57,12 @@ def compiled(tiny_model) -> LLMEngine:
     return compiled_engine(tiny_model)
 
 
+@pytest.fixture(scope="module")
+def compiled_one_token_chunks(tiny_model) -> LLMEngine:
+    """A compiled engine that prefills a prompt token a step (each test leaves it with nothing held)."""
+    return compiled_engine(tiny_model, max_num_batched_tokens=1)
+
+
 def all_state_free(engine: LLMEngine) -> bool:
     cache = engine.cache
     return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
@@ -125,9 +131,9 @@ def test_wider_block_tables_pass_the_graphs_guards(compiled):
         assert decode._direct[size] is not None
 
 
-def test_prompts_prefilled_a_token_a_step_through_the_compiled_step(tiny_model, prompts, expected):
+def test_prompts_prefilled_a_token_a_step_through_the_compiled_step(compiled_one_token_chunks, prompts, expected):
     """One-token prefill chunks are decode-shaped steps: the compiled graph computes the prompts too."""
-    engine = compiled_engine(tiny_model, max_num_batched_tokens=1)
+    engine = compiled_one_token_chunks
     short = [p for p in prompts if len(p) <= 100]
     outputs = engine.generate(short, greedy(12))
     wanted = [want[:12] for p, want in zip(prompts, expected, strict=True) if len(p) <= 100]
@@ -135,12 +141,14 @@ def test_prompts_prefilled_a_token_a_step_through_the_compiled_step(tiny_model, 
     assert all_state_free(engine)
 
 
-def test_a_repeat_sampled_beside_a_one_token_prompt_chunk_gets_its_own_logits(tiny_model, prompts, expected):
+def test_a_repeat_sampled_beside_a_one_token_prompt_chunk_gets_its_own_logits(
+    tiny_model, compiled_one_token_chunks, prompts, expected
+):
     """A step that computes one prompt token of a request through the graph (not sampled: more of its
     prompt follows) and samples a repeated prompt from its stored hidden state has as many sampled
     rows as graph rows, none of them the same request's: the repeat's first token comes from its
     own hidden state, not from the graph's row."""
-    engine = compiled_engine(tiny_model, max_num_batched_tokens=1)
+    engine = compiled_one_token_chunks
     prefill = LLMEngine(tiny_model, max_num_batched_tokens=256)
     repeated, chunked = prompts[2], prompts[1]  # 100 and 17 tokens
     _, data = prefill_and_export(prefill, "first", repeated, greedy(12))
