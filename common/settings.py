@@ -26,8 +26,9 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:16379/0"
     cache_url: str = "http://127.0.0.1:8100"
     model: str = ".cache/models/tiny"
-    # decode steps as compiled graphs (engine/compiled_decode.py): compiled at start-up the first
-    # time (about 40 s a batch-size bucket on two cores), loaded from .cache/torchinductor after
+    # decode steps as compiled graphs (engine/compiled_decode.py): compiled behind the first time,
+    # decode running eager meanwhile (about two minutes a batch-size bucket for the tiny preset on
+    # two cores), loaded from .cache/torchinductor after
     compile_decode: bool = True
     served_model_name: str = "deepmesh-tiny"
     drain_seconds: float = 5.0  # on SIGTERM: how long answers in flight may take to finish before the exit
