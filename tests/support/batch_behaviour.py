@@ -71,7 +71,6 @@ class BatchBehaviour(SDKClients):
 
     def test_a_batch_answers_every_custom_id_as_the_request_alone_would(self, oai):
         """100 lines, more than run at once (64 by default): the runner sends them over rounds."""
-
         alone = answers_alone(oai, PROMPTS, max_tokens=6)
         lines = [chat_line(f"req-{i}", PROMPTS[i % len(PROMPTS)], thinking={"type": "disabled"}) for i in range(100)]
         lines.append(chat_line("no-messages", "x") | {"body": {"model": MODEL, "max_tokens": 4}})  # fails alone

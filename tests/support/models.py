@@ -117,6 +117,12 @@ def prefill_and_export(engine: LLMEngine, request_id: str, prompt: list[int], pa
     return outputs[0].new_token_ids[0], data
 
 
+def all_state_free(engine: LLMEngine) -> bool:
+    """Every block and every state slot back with the engine: nothing a finished request held is left."""
+    cache = engine.cache
+    return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
+
+
 def decode_to_end(engine: LLMEngine) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, StateSnapshot
-from tests.support.models import decode_to_end, prefill_and_export, random_prompts
+from tests.support.models import all_state_free, decode_to_end, prefill_and_export, random_prompts
 
 # decoding crosses what a step can change: HCA windows close at 127 and 255 (prompts of 100 and
 # 250), a new block starts at 128, CSA windows close every 4 tokens
@@ -61,11 +61,6 @@ def compiled(tiny_model) -> LLMEngine:
 def compiled_one_token_chunks(tiny_model) -> LLMEngine:
     """A compiled engine that prefills a prompt token a step (each test leaves it with nothing held)."""
     return compiled_engine(tiny_model, max_num_batched_tokens=1)
-
-
-def all_state_free(engine: LLMEngine) -> bool:
-    cache = engine.cache
-    return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
 
 
 def test_requests_that_cross_the_switch_to_compiled_keep_their_tokens(tiny_model, compiled, prompts):

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from engine import LLMEngine, SamplingParams, StateSnapshot
-from tests.support.models import PARITY_CONFIGS, decode_to_end, prefill_and_export, random_prompts
+from tests.support.models import PARITY_CONFIGS, all_state_free, decode_to_end, prefill_and_export, random_prompts
 
 pytestmark = pytest.mark.in_process  # no services, no deadline: beside the integration tier
 
@@ -34,8 +34,7 @@ def test_chunked_prefill_gives_same_greedy_output(tiny_model, expected, chunk):
     engine = LLMEngine(tiny_model, max_num_batched_tokens=chunk)
     outputs = engine.generate(random_prompts(LENGTHS, seed=3), GREEDY_24)
     assert {len(o.prompt_token_ids): o.token_ids for o in outputs} == expected
-    assert engine.cache.block_allocator.num_free == engine.cache.num_blocks
-    assert engine.cache.num_free_slots == engine.cache.max_seqs
+    assert all_state_free(engine)
 
 
 @pytest.mark.parametrize("config", sorted(PARITY_CONFIGS))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, UnknownRequestError
-from tests.support.models import random_prompts
+from tests.support.models import all_state_free, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 LENGTHS = (1, 17, 129, 300, 520)
@@ -18,11 +18,6 @@ def expected(tiny_model) -> dict[int, list[int]]:
     """Greedy outputs with the whole prompt in one step, one request at a time."""
     engine = LLMEngine(tiny_model, max_num_batched_tokens=4096)
     return {len(p): engine.generate([p], GREEDY)[0].token_ids for p in random_prompts(LENGTHS, seed=3)}
-
-
-def _all_state_free(engine: LLMEngine) -> bool:
-    cache = engine.cache
-    return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
 
 
 def test_requests_join_and_leave_between_steps(engine, expected):
@@ -47,7 +42,7 @@ def test_requests_join_and_leave_between_steps(engine, expected):
     assert tokens["a"] == expected[300]
     assert tokens["c"] == expected[520]
     assert tokens["d"] == expected[129]
-    assert _all_state_free(engine)
+    assert all_state_free(engine)
 
 
 def test_preemption_recomputes_and_gives_same_output(tiny_model, expected):
@@ -58,7 +53,7 @@ def test_preemption_recomputes_and_gives_same_output(tiny_model, expected):
     outputs = engine.generate(wanted, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == [expected[17], expected[300], expected[300], expected[520]]
-    assert _all_state_free(engine)
+    assert all_state_free(engine)
 
 
 def test_abort_releases_state_and_others_continue(engine, expected):
@@ -78,7 +73,7 @@ def test_abort_releases_state_and_others_continue(engine, expected):
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
     assert reasons == {"y": "abort", "x": "length", "z": "length"}
-    assert _all_state_free(engine)
+    assert all_state_free(engine)
 
 
 def test_abort_of_waiting_request(engine):
@@ -169,7 +164,7 @@ def test_interactive_requests_go_before_batch_work(tiny_model, expected):
     assert finished.index("interactive-1") < finished.index("batch-2")
     assert tokens["interactive-0"] == expected[520] and tokens["interactive-1"] == expected[129]
     assert [tokens[f"batch-{i}"] for i in range(3)] == [expected[300]] * 3
-    assert _all_state_free(engine)
+    assert all_state_free(engine)
 
 
 def test_batch_work_gives_its_blocks_back_first(tiny_model):
@@ -192,7 +187,7 @@ def test_batch_work_gives_its_blocks_back_first(tiny_model):
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert preempted["b"] >= 1 and preempted["c"] == 0 and preempted["a"] == 0
     assert tokens == alone
-    assert _all_state_free(engine)
+    assert all_state_free(engine)
 
 
 def test_a_prefill_step_with_interactive_work_takes_no_batch_work(tiny_model, expected):
