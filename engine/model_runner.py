@@ -46,7 +46,7 @@ class ModelRunner:
         self.backend = select_backend(self.device, kernel_backend)
         model.use_backend(self.backend)
         model.merge_projections()
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.config)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.compiled_decode = (
             CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress) if compile_decode else None

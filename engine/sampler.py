@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from engine.config import ModelConfig
 from engine.sequence import SamplingParams, Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -55,6 +56,9 @@ class Grammars(Protocol):
 
 
 class Sampler:
+    def __init__(self, config: ModelConfig | None = None):
+        self.config = config  # its EOS tokens are held back from rows short of min_tokens (unless ignore_eos)
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -72,6 +76,11 @@ class Sampler:
         """
         normalizer = logits.logsumexp(dim=-1) if normalizer is None else normalizer
         tops = _top_logprobs(logits, normalizer, seqs)
+        if held_back := self._held_back(seqs):  # after the logprobs: those are the model's own
+            logits = logits.clone()
+            for i, ids in held_back.items():
+                logits[i, ids] = float("-inf")
+            argmax = None
         constrained = grammars.rows if grammars is not None else []
         greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
         tokens = [0] * len(seqs)
@@ -104,6 +113,16 @@ class Sampler:
                 tokens[i] = _pick(logits[i], allowed, seqs[i], CANDIDATES + 1)
         chosen = logits.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1) - normalizer
         return tokens, chosen.tolist(), tops
+
+    def _held_back(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """The stop tokens of the rows short of their min_tokens: they cannot be chosen yet."""
+        held = {}
+        for i, seq in enumerate(seqs):
+            params = seq.params
+            if len(seq.output_token_ids) < params.min_tokens:
+                eos = [] if params.ignore_eos or self.config is None else self.config.eos_token_ids
+                held[i] = [*params.stop_token_ids, *eos]
+        return {i: ids for i, ids in held.items() if ids}
 
 
 def _filters_the_allowed(params: SamplingParams) -> bool:

@@ -30,6 +30,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # no stop token (the model's EOS, unless ignore_eos, and stop_token_ids) before this many
+    # tokens: the sampler gives them no chance until then
+    min_tokens: int = 0
     # hand back the state at the end (RequestOutput.final_state): where a longer prompt that
     # repeats this conversation, such as its next turn, can resume
     keep_final_state: bool = False
@@ -55,6 +58,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer from 0 to max_tokens, got {self.min_tokens!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             raise InvalidRequestError(f"logprobs must be an integer from 0 to 20, got {self.logprobs!r}")
         self.stop_token_ids = list(self.stop_token_ids)

@@ -3,10 +3,12 @@ every chunk size: tests/system/test_engine_sweeps.py.)"""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams, UnknownRequestError
+from engine import InvalidRequestError, LLMEngine, SamplingParams, UnknownRequestError
 from tests.support.models import all_state_free, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -115,6 +117,35 @@ def test_stop_token_ids_max_tokens_and_eos(engine, expected):
         assert out.token_ids == full[: first + 1] and out.finish_reason == "stop"
         out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
         assert out.token_ids == full and out.finish_reason == "length"
+    finally:
+        engine.config.eos_token_id = eos_before
+
+
+def test_min_tokens_holds_back_stop_tokens_and_eos(engine, expected):
+    """Before min_tokens the stop tokens get no chance (vLLM's min_tokens): the greedy choice is
+    the best other token, and logprobs stay the model's own."""
+    prompt = random_prompts(LENGTHS, seed=3)[2]
+    full = expected[129]
+    stop = full[5]
+    first = full.index(stop)
+    logits = engine.score(prompt + full[:first])[-1]
+    runner_up = int(logits.topk(2).indices[1])
+    held = SamplingParams(max_tokens=first + 2, temperature=0, stop_token_ids=[stop], min_tokens=first + 1, logprobs=0)
+    out = engine.generate([prompt], held)[0]
+    assert out.token_ids[: first + 1] == [*full[:first], runner_up]
+    assert math.isclose(out.logprobs[first], float(logits.log_softmax(-1)[runner_up]), abs_tol=1e-4)
+    free = engine.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop], min_tokens=first)
+    )
+    assert free[0].token_ids == full[: first + 1]  # reached: the stop token stops it again
+
+    eos_before = engine.config.eos_token_id
+    engine.config.eos_token_id = stop
+    try:
+        out = engine.generate([prompt], SamplingParams(max_tokens=first + 1, temperature=0, min_tokens=first + 1))[0]
+        assert out.token_ids == [*full[:first], runner_up] and out.finish_reason == "length"
+        with pytest.raises(InvalidRequestError, match="min_tokens"):
+            SamplingParams(max_tokens=4, min_tokens=5)
     finally:
         engine.config.eos_token_id = eos_before
 
