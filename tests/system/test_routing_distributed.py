@@ -204,7 +204,13 @@ def test_a_killed_prefill_replica_loses_no_job(cluster, model):
     replies: dict[int, dict] = {}
 
     def ask(i: int) -> None:
-        replies[i] = httpx.post(f"{cluster.url}/v1/chat/completions", json=bodies[i], timeout=300).json()
+        """As a client does: a call refused for load (429, never accepted) is sent again when told."""
+        for _ in range(10):
+            response = httpx.post(f"{cluster.url}/v1/chat/completions", json=bodies[i], timeout=300)
+            if response.status_code != 429:
+                break
+            time.sleep(float(response.headers.get("retry-after", 1)))
+        replies[i] = response.json()
 
     askers = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
     for asker in askers:
