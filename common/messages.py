@@ -124,6 +124,10 @@ class Sampling(BaseModel):
     # each prompt token's logprob and its `prompt_logprobs` most likely alternatives (the
     # legacy Completions' `echo` with `logprobs`); None: none
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    ignore_eos: bool = False  # generate past the model's end-of-sequence tokens
+    min_tokens: int = Field(default=0, ge=0)  # no stop token before this many tokens
+    stop_token_ids: list[int] = []  # the request's own stop tokens
+    top_k: int = Field(default=0, ge=0)  # 0: every token
 
     def engine_params(self, tenant: str, priority: Priority, seed: int | None) -> dict[str, Any]:
         """The engine's SamplingParams for a job with this sampling, as keyword arguments: prefill
@@ -135,6 +139,10 @@ class Sampling(BaseModel):
             "seed": seed,
             "grammar": self.grammar,
             "logprobs": self.logprobs,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
+            "top_k": self.top_k,
             "prefix_namespace": tenant,  # a tenant's prompts start only from its own states
             "priority": ENGINE_PRIORITY[priority],
         }

@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     # two cores), loaded from .cache/torchinductor after
     compile_decode: bool = True
     served_model_name: str = "deepmesh-tiny"
+    # whether a chat request that does not say (thinking, reasoning_effort, chat_template_kwargs)
+    # reasons before its answer: off, as vLLM and SGLang serve DeepSeek's models, so that clients
+    # that know nothing of reasoning find the answer in `content`, not a max_tokens spent on thought
+    default_thinking: bool = False
     drain_seconds: float = 5.0  # on SIGTERM: how long answers in flight may take to finish before the exit
     log_level: str = "WARNING"
     log_format: Literal["json", "text"] = "json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -70,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", type=Path, default=None, help="checkpoint (default: a tiny model made on first use)")
     serve.add_argument("--served-model-name", default="deepmesh-tiny")
+    serve.add_argument(
+        "--default-thinking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reason before answering when a request does not say (default: no; DEEPMESH_DEFAULT_THINKING)",
+    )
     _compile_flag(serve)
     serve.set_defaults(run=_serve)
 
@@ -259,6 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
         maintenance_seconds=settings.cache_maintenance_seconds,
         resident_prefix_bytes=settings.resident_prefix_bytes,
         compile_decode=_compile_decode(args, settings),
+        default_thinking=settings.default_thinking if args.default_thinking is None else args.default_thinking,
     )
     mesh.start([mesh.tokenizer])
     app = create_app(
@@ -266,6 +274,7 @@ def _serve(args: argparse.Namespace) -> int:
         "deepmesh.",
         [args.served_model_name],
         JobStore(settings.database_url),
+        max_model_len=_context_length(model),
         cache_stats=mesh.store.stats,
         replicas=mesh.replicas,
         admission_wait_seconds=settings.admission_wait_seconds,
@@ -368,6 +377,7 @@ def _service(args: argparse.Namespace) -> int:
             settings.topic_prefix,
             [settings.served_model_name],
             JobStore(settings.database_url),
+            max_model_len=_context_length(args.model or Path(settings.model)),
             replicas=_replica_table(bus, settings.topic_prefix),
             admission_wait_seconds=settings.admission_wait_seconds,
             files_dir=settings.files_dir,
@@ -536,12 +546,21 @@ def _replica_table(bus, topic_prefix: str):
     return table
 
 
+def _context_length(model: Path) -> int | None:
+    """The checkpoint's context length, for GET /v1/models (read from config.json: the gateway
+    loads no engine)."""
+    try:
+        return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _make_worker(command: str, bus, settings, model: Path, replicas, compile_decode: bool = False):
     if command == "tokenizer":
         from tokenizer_svc.protocol import Codec
         from tokenizer_svc.worker import TokenizerWorker
 
-        codec = Codec.for_model(model, settings.served_model_name)
+        codec = Codec.for_model(model, settings.served_model_name, settings.default_thinking)
         return TokenizerWorker(bus, settings.topic_prefix, codec, replicas)
     from cache_svc.client import StateClient
     from common.retention import Retention

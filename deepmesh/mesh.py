@@ -38,6 +38,7 @@ class Mesh:
         anchor_interval: int = 1024,
         maintenance_seconds: float = 2.0,
         compile_decode: bool = False,
+        default_thinking: bool = False,
         **engine_options,
     ):
         model_path = Path(model_path)
@@ -53,7 +54,7 @@ class Mesh:
             "compile_decode": compile_decode,
         }
         decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **decode_options)
-        codec = Codec.for_model(model_path, served_model)
+        codec = Codec.for_model(model_path, served_model, default_thinking)
         self.store = store
         self.maintenance_seconds = maintenance_seconds
         self.stopping = threading.Event()

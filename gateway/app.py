@@ -110,6 +110,7 @@ def create_app(
     topic_prefix: str,
     served_models: list[str],
     jobs: JobStore,
+    max_model_len: int | None = None,
     result_timeout: float = 600.0,
     cache_stats: Callable[[], dict] | None = None,
     replicas: ReplicaTable | None = None,
@@ -129,12 +130,14 @@ def create_app(
     in this process, a round every so many seconds (embedded; distributed, Celery runs it).
     `require_keys`: every /v1 call needs an API key (gateway/keys.py), which decides its tenant
     and its rate limits, counted in `quotas` (Redis across replicas; in memory by default).
-    `responses_keep_seconds`: how long a stored response (Responses' `store`) is kept."""
+    `responses_keep_seconds`: how long a stored response (Responses' `store`) is kept.
+    `max_model_len`: the served model's context length, which GET /v1/models reports."""
     results_topic = topic_name(Topic.RESULTS, topic_prefix)
     ledger = Ledger(jobs.session) if jobs is not None else None
     state = GatewayState(
         bus=bus,
         served_models=served_models,
+        max_model_len=max_model_len,
         result_timeout=result_timeout,
         require_keys=require_keys,
         batch_rounds=batch_rounds,

@@ -50,6 +50,7 @@ class GatewayState:
     ledger: Ledger | None
     stored_responses: StoredResponses | None
     cache_stats: Callable[[], dict] | None = None  # the embedded KV cache's statistics
+    max_model_len: int | None = None  # the served model's context length (GET /v1/models)
     stop_batches: threading.Event = field(default_factory=threading.Event)
 
 

@@ -28,6 +28,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # usage on every chunk (vLLM's)
 
 
 class CompletionRequest(BaseModel):
@@ -39,6 +40,7 @@ class CompletionRequest(BaseModel):
     model: str
     prompt: str | TokenIds | Annotated[list[str | TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=0)  # 0 with echo: score the prompt, generate nothing
+    max_completion_tokens: int | None = Field(default=None, ge=0)  # the chat name some clients send here too
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = None
@@ -53,10 +55,25 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # recorded on the request's trace
+    # vLLM's extensions, which benchmark clients send (guidellm: ignore_eos)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: every token
+
+    @property
+    def cap(self) -> int:
+        """max_tokens, under either name (16 where neither is given, as OpenAI's API has it)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else 16
 
     def unsupported(self) -> str | None:
         """An option set to something the engine does not do, for a 400 naming it."""
+        given = self.model_fields_set
+        if {"max_tokens", "max_completion_tokens"} <= given and self.max_tokens != self.max_completion_tokens:
+            return "max_tokens and max_completion_tokens differ: send one"
         for name in ("n", "best_of"):
             if getattr(self, name) not in (None, 1):
                 return f"{name} is not supported (one completion per request)"
@@ -123,7 +140,7 @@ class Completions:
     def prompt(self, body: dict[str, Any] | bytes | str) -> Prompt:
         request = self.request(body)
         ids = self.prompt_ids(request)
-        wanted = request.max_tokens if request.max_tokens is not None else 16
+        wanted = request.cap
         if len(ids) + wanted > self.context_limit:
             raise _bad(
                 f"This model's maximum context length is {self.context_limit} tokens, however you requested "
@@ -132,6 +149,11 @@ class Completions:
             )
         if wanted == 0 and not request.echo:
             raise _bad("max_tokens: 0 asks for nothing unless echo is true (to score the prompt)")
+        if request.min_tokens > wanted:
+            raise _bad(f"min_tokens ({request.min_tokens}) exceeds max_tokens ({wanted})")
+        vocab = self.decoder.get_vocab_size()
+        if bad := [token for token in request.stop_token_ids or [] if token >= vocab]:
+            raise _bad(f"stop_token_ids: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return Prompt(
             model=request.model,
             token_ids=ids,
@@ -142,11 +164,18 @@ class Completions:
             stream=bool(request.stream),
             logprobs=request.logprobs,
             prompt_logprobs=request.logprobs if request.echo else None,
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+            stop_token_ids=list(request.stop_token_ids or []),
+            top_k=max(request.top_k or 0, 0),
+            traced={"user": request.user} if request.user is not None else {},
         )
 
     def output(self, body: dict[str, Any] | bytes | str, response_id: str) -> CompletionStream:
         request = self.request(body)
-        return CompletionStream(request, self.prompt_ids(request), response_id, self.decoder, self.stop_ids)
+        # with ignore_eos the model's stop tokens are generated like any other (and shown as nothing)
+        stop_ids = {*self.stop_ids, *(request.stop_token_ids or [])}
+        return CompletionStream(request, self.prompt_ids(request), response_id, self.decoder, stop_ids)
 
 
 def _bad(message: str) -> ProtocolError:
@@ -175,7 +204,7 @@ class CompletionStream:
         self.stop_ids = stop_ids
         self.created = int(time.time())
         self.stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
-        self.hidden = request.max_tokens == 0  # the one token computed is not shown
+        self.hidden = request.cap == 0  # the one token computed is not shown
         self.echo = ""  # the prompt's text, when echoed
         self.text = ""  # the completion's text so far (without a stop sequence and what follows)
         self.sent = 0  # characters of `text` sent in chunks
@@ -292,7 +321,12 @@ class CompletionStream:
 
     @property
     def _include_usage(self) -> bool:
-        return bool(self.request.stream_options and self.request.stream_options.include_usage)
+        options = self.request.stream_options
+        return bool(options and (options.include_usage or options.continuous_usage_stats))
+
+    @property
+    def _continuous_usage(self) -> bool:
+        return bool(self.request.stream_options and self.request.stream_options.continuous_usage_stats)
 
     def _head(self) -> dict[str, Any]:
         return {
@@ -307,7 +341,9 @@ class CompletionStream:
         logprobs = _legacy(entries) if self.request.logprobs is not None and entries else None
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         chunk = {**self._head(), "choices": [choice]}
-        if self._include_usage:
+        if self._continuous_usage:  # the counts so far (vLLM's continuous_usage_stats)
+            chunk["usage"] = {k: v for k, v in self._usage().items() if k != "prompt_tokens_details"}
+        elif self._include_usage:
             chunk["usage"] = None
         return Event(None, _json(chunk))
 

@@ -33,18 +33,28 @@ class Markup:
     dsml: int  # ｜DSML｜ (an ordinary one): in every tag of the tool-call markup, <｜DSML｜invoke ...>, ...
 
 
-def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup, one_call: bool = False) -> str | None:
+def output_grammar(
+    kind: str,
+    schema: str,
+    thinking: bool,
+    markup: Markup,
+    one_call: bool = False,
+    definitions: dict[str, Any] | None = None,
+) -> str | None:
     """The llguidance grammar of an output constraint (`OutputConstraint.kind` and `.schema`),
     or None when there is nothing to enforce (tools none of which is strict, chosen freely).
-    `one_call`: at most one tool call (`parallel_tool_calls: false`)."""
+    `one_call`: at most one tool call (`parallel_tool_calls: false`). `definitions`: the
+    request's own `$defs`, which the recipe's strict form of a schema leaves out while keeping
+    the `$ref`s to them (what pydantic writes for every enum and nested model)."""
+    definitions = definitions or {}
     if kind == "regex":
         answer = "answer: /" + schema.replace("/", "\\/") + "/\n"
     elif kind == "json":
-        answer = f"answer: %json {json.dumps(_compact(schema))}\n"
+        answer = f"answer: %json {json.dumps(_compact(schema, definitions))}\n"
     elif kind == "tool_call_required":  # the prompt ends inside the markup: <｜DSML｜tool_calls>\n
-        answer = "answer: calls\n" + _tool_calls(json.loads(schema), markup.dsml, one_call)
+        answer = "answer: calls\n" + _tool_calls(_tools(schema, definitions), markup.dsml, one_call)
     elif kind == "tool_call":
-        tools = json.loads(schema)
+        tools = _tools(schema, definitions)
         if not any(tool.get("function", {}).get("strict") for tool in tools):
             return None
         # an answer in text, or text then the calls. ｜DSML｜ is an ordinary token (its text
@@ -65,6 +75,16 @@ def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup, one_c
         reason = messages[0].splitlines()[0].split("failed to compile JSON schema: ")[-1]
         raise ConstraintError(f"the output constraint cannot be enforced: {reason}")
     return grammar
+
+
+def _tools(schema: str, definitions: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tools of a tool-call constraint, each one's parameters with their references resolved."""
+    tools = json.loads(schema)
+    for tool in tools:
+        function = tool.get("function", {})
+        if isinstance(function.get("parameters"), dict):
+            function["parameters"] = resolve_references(function["parameters"], definitions)
+    return tools
 
 
 def _tool_calls(tools: list[dict[str, Any]], dsml: int, one_call: bool) -> str:
@@ -88,6 +108,8 @@ def _tool_calls(tools: list[dict[str, Any]], dsml: int, one_call: bool) -> str:
         parts = []
         for i, (key, sub) in enumerate((parameters.get("properties") or {}).items()):
             raw = isinstance(sub, dict) and sub.get("type") == "string"
+            if not raw and isinstance(sub, dict) and "$defs" in parameters:  # a recursive reference left
+                sub = {**sub, "$defs": parameters["$defs"]}
             value = _raw_string(key, sub) if raw else f"%json {json.dumps(_compact(json.dumps(sub)))}"
             opening = _literal(f'parameter name="{key}" string="{"true" if raw else "false"}">')
             rules.append(f'param{n}_{i}: {tag}{opening} {value} {end}"parameter>\\n"')
@@ -116,16 +138,117 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _compact(schema: str) -> dict[str, Any]:
-    """The schema, checked for depth, with JSON's whitespace fixed. None (json_object) is an
-    object, as OpenAI's and DeepSeek's JSON mode give."""
+def _compact(schema: str, definitions: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The schema, its references resolved, checked for depth, with JSON's whitespace fixed. None
+    (json_object) is an object, as OpenAI's and DeepSeek's JSON mode give."""
     parsed = json.loads(schema) if schema else {"type": "object"}
     if not isinstance(parsed, dict):
         raise ConstraintError("the JSON schema must be an object")
+    parsed = resolve_references(parsed, definitions or {})
     if _depth(parsed) > MAX_SCHEMA_DEPTH:
         raise ConstraintError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     options = parsed.get("x-guidance") if isinstance(parsed.get("x-guidance"), dict) else {}
     return {**parsed, "x-guidance": {**options, "whitespace_flexible": False}}
+
+
+DEFINITIONS = ("$defs", "definitions")  # JSON Schema's name for them, and draft 7's (older pydantic)
+
+
+def schema_definitions(node: Any) -> dict[str, Any]:
+    """Every `$defs` / `definitions` entry in a request body (its schemas' own), by name: a name
+    two schemas define differently cannot be told apart once the recipe has dropped them."""
+    found: dict[str, Any] = {}
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key in DEFINITIONS:
+                if isinstance(item.get(key), dict):
+                    for name, definition in item[key].items():
+                        if found.setdefault(name, definition) != definition:
+                            raise ConstraintError(f"two schemas of the request define {name!r} differently")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def schemas_for_the_recipe(body: dict[str, Any]) -> dict[str, Any]:
+    """The request with each of its schemas (response format, tools' parameters) in the form the
+    recipe keeps whole: references written out (it drops `$defs`, and refuses a `$ref` in an
+    `anyOf`) and `const` as a one-value `enum` (its strict form drops `const`)."""
+    body = dict(body)
+
+    def rewritten(holder: Any, key: str) -> None:
+        if isinstance(holder, dict) and isinstance(holder.get(key), dict):
+            resolved = resolve_references(holder[key], {})
+            if "$defs" in resolved:  # what is left is recursive, which the recipe cannot read
+                names = ", ".join(sorted(resolved["$defs"]))
+                raise ConstraintError(f"recursive JSON schemas are not supported (a $ref within {names})")
+            holder[key] = _with_enums(resolved)
+
+    for outer, inner in (("response_format", "json_schema"), ("text", "format"), ("output_config", "format")):
+        if isinstance(body.get(outer), dict) and isinstance(body[outer].get(inner), dict):
+            body[outer] = {**body[outer], inner: dict(body[outer][inner])}
+            rewritten(body[outer][inner], "schema")
+    if isinstance(body.get("tools"), list):
+        body["tools"] = [dict(tool) if isinstance(tool, dict) else tool for tool in body["tools"]]
+        for tool in body["tools"]:
+            if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+                tool["function"] = dict(tool["function"])
+                rewritten(tool["function"], "parameters")
+            rewritten(tool, "parameters")  # Responses
+            rewritten(tool, "input_schema")  # Messages
+    return body
+
+
+JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"))
+
+
+def _with_enums(node: Any) -> Any:
+    """`const: x` as `enum: [x]`, with the `type` the recipe requires where a schema gives none."""
+    if isinstance(node, list):
+        return [_with_enums(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: v if k in ("enum", "const", "default", "examples") else _with_enums(v) for k, v in node.items()}
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    if "enum" in node and "type" not in node:
+        kinds = {next((name for kind, name in JSON_TYPES if type(v) is kind), None) for v in node["enum"]}
+        if len(kinds) == 1 and None not in kinds:
+            node["type"] = kinds.pop()
+    return node
+
+
+def resolve_references(schema: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """The schema with each local reference (`#/$defs/Name`, `#/definitions/Name`) replaced by
+    what it names, from the schema's own definitions or the request's. A recursive one (a tree,
+    a linked list) stays a reference, with the definitions at the root for llguidance to follow."""
+    known = {**definitions, **{k: v for key in DEFINITIONS for k, v in (schema.get(key) or {}).items()}}
+    recursive: list[str] = []
+
+    def resolve(node: Any, within: tuple[str, ...]) -> Any:
+        if isinstance(node, list):
+            return [resolve(item, within) for item in node]
+        if not isinstance(node, dict):
+            return node
+        reference = node.get("$ref")
+        if isinstance(reference, str) and reference.startswith(("#/$defs/", "#/definitions/")):
+            name = reference.split("/", 2)[2]
+            if name not in known:
+                raise ConstraintError(f"the JSON schema refers to {reference}, which it does not define")
+            if name in within:  # recursive: left as a reference to the root's $defs
+                recursive.append(name)
+                return {**node, "$ref": f"#/$defs/{name}"}
+            rest = {k: resolve(v, within) for k, v in node.items() if k != "$ref"}
+            return {**resolve(known[name], (*within, name)), **rest}
+        return {k: resolve(v, within) for k, v in node.items() if k not in DEFINITIONS}
+
+    resolved = resolve(schema, ())
+    if recursive:
+        resolved["$defs"] = {name: resolve(definition, (name,)) for name, definition in known.items()}
+    return resolved
 
 
 def _depth(node: Any) -> int:

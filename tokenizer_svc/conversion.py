@@ -7,7 +7,7 @@ does not (tokenizer_svc/completions.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.api import error_body
 
@@ -35,6 +35,11 @@ class Prompt:
     grammar: str | None = None  # the output constraint the engine enforces (tokenizer_svc/constraints.py)
     logprobs: int | None = None  # each token's logprob and this many alternatives (0 to 20); None: none
     prompt_logprobs: int | None = None  # the same for each prompt token (Completions' echo); None: none
+    ignore_eos: bool = False  # generate past the model's end-of-sequence tokens
+    min_tokens: int = 0  # no stop token before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # the request's own stop tokens
+    top_k: int = 0  # 0: every token
+    traced: dict[str, str] = field(default_factory=dict)  # fields recorded on the request's trace only
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,17 @@ from tokenizers import Tokenizer
 
 from common.api import protocol_problem
 from common.responses import RESPONSE_EVENTS
+from tokenizer_svc import request_fields
 from tokenizer_svc.completions import Completions, CompletionStream
-from tokenizer_svc.constraints import ConstraintError, Markup, output_grammar
+from tokenizer_svc.constraints import (
+    ConstraintError,
+    Markup,
+    output_grammar,
+    schema_definitions,
+    schemas_for_the_recipe,
+)
 from tokenizer_svc.conversion import Event, Prompt, ProtocolError, error_json
+from tokenizer_svc.request_fields import Extras
 
 ENDPOINTS = {  # endpoint -> (request type, response type); response ids: common.api.response_id
     "chat.completions": (recipe.ChatCompletionRequest, recipe.ChatCompletionResponse),
@@ -45,13 +53,16 @@ class Codec:
         context_limit: int,
         stop_ids: set[int],
         add_bos: bool = False,
+        default_thinking: bool = False,
     ):
         """`add_bos`: the tokenizer starts a raw text with its BOS token (Completions' prompts;
-        a chat template writes its own)."""
+        a chat template writes its own). `default_thinking`: whether a request that does not say
+        reasons before its answer (clients that know nothing of reasoning would otherwise see a
+        small max_tokens spent on it and an empty answer)."""
         self.tokenizer = recipe.Tokenizer.from_file(str(tokenizer_file))
         self.decoder = Tokenizer.from_file(str(tokenizer_file))  # bytes of tokens: see OutputStream.tokens
         self.encoding = recipe.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
-        options = recipe.ConversionOptions()
+        options = recipe.ConversionOptions().with_default_thinking_mode(default_thinking)
         for name in served_models:
             options = options.with_model_alias(name, recipe.ModelVersion.DeepseekV4Pro)
         # accept only the names this deployment serves
@@ -68,7 +79,7 @@ class Codec:
         self.completions = Completions(self.decoder, served_models, context_limit, self.stop_ids, bos)
 
     @classmethod
-    def for_model(cls, model_path: str | Path, served_model: str) -> Codec:
+    def for_model(cls, model_path: str | Path, served_model: str, default_thinking: bool = False) -> Codec:
         """A codec for a checkpoint directory: its tokenizer, context length and EOS tokens."""
         from engine.config import ModelConfig
 
@@ -81,19 +92,36 @@ class Codec:
             context_limit=config.max_position_embeddings,
             stop_ids=set(config.eos_token_ids),
             add_bos=settings.get("add_bos_token") is True,
+            default_thinking=default_thinking,
         )
 
-    def convert(self, endpoint: str, body: dict[str, Any] | bytes | str) -> tuple[Any, str]:
-        """(ConversationRequest, model name), or ProtocolError with the protocol's error body."""
+    def convert(self, endpoint: str, body: dict[str, Any] | bytes | str) -> tuple[Any, str, Extras]:
+        """(ConversationRequest, model name, what the recipe does not read), or ProtocolError with
+        the protocol's error body."""
         if endpoint not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {endpoint!r}")
-        if isinstance(body, dict) and (problem := protocol_problem(endpoint, body)):
+        if isinstance(body, (bytes, str)):
+            try:
+                body = json.loads(body)
+            except ValueError as err:
+                raise ProtocolError(400, error_json(endpoint, f"invalid JSON body: {err}")) from err
+        if not isinstance(body, dict):
+            raise ProtocolError(400, error_json(endpoint, "the request body must be a JSON object"))
+        if problem := protocol_problem(endpoint, body):
             raise ProtocolError(400, error_json(endpoint, problem))
+        try:
+            body, extras = request_fields.read(endpoint, body, self.decoder.get_vocab_size())
+        except request_fields.FieldError as err:
+            raise ProtocolError(400, error_json(endpoint, str(err))) from err
         request_type = ENDPOINTS[endpoint][0]
+        try:
+            body = schemas_for_the_recipe(body)
+        except ConstraintError as err:
+            raise ProtocolError(400, error_json(endpoint, str(err))) from err
         try:
             request = request_type(body)
             model = request.model
-            return request.convert(self.options), model
+            return request.convert(self.options), model, extras
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
         except Exception as err:  # not a JSON object, a number the recipe cannot hold (OverflowError), ...
@@ -104,7 +132,7 @@ class Codec:
         fail is that request's error, never the service's."""
         if endpoint == "completions":
             return self.completions.prompt(body)
-        conversation_request, model = self.convert(endpoint, body)
+        conversation_request, model, extras = self.convert(endpoint, body)
         try:
             token_ids = self.encoding.encode(conversation_request.conversation)
             max_tokens = conversation_request.resolve_max_tokens(len(token_ids), self.context_limit)
@@ -122,12 +150,20 @@ class Codec:
             raise ProtocolError(400, error_json(endpoint, f"temperature must be a number >= 0, not {temperature}"))
         if not (math.isfinite(top_p) and 0 < top_p <= 1):
             raise ProtocolError(400, error_json(endpoint, f"top_p must be in (0, 1], not {top_p}"))
+        if extras.min_tokens > max_tokens:
+            raise ProtocolError(
+                400, error_json(endpoint, f"min_tokens ({extras.min_tokens}) exceeds max_tokens ({max_tokens})")
+            )
         grammar = None
         if constraint is not None:
             thinking = bool(token_ids) and token_ids[-1] == self.think_start  # reasoning first, then the answer
             try:
                 one_call = isinstance(body, dict) and _one_call(body)
-                grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.markup, one_call)
+                # the schemas' own definitions, which the recipe's form of them leaves out
+                definitions = schema_definitions(body if isinstance(body, dict) else json.loads(body))
+                grammar = output_grammar(
+                    constraint.kind, constraint.schema, thinking, self.markup, one_call, definitions
+                )
             except ConstraintError as err:
                 raise ProtocolError(400, error_json(endpoint, str(err))) from err
         return Prompt(
@@ -140,6 +176,11 @@ class Codec:
             stream=conversation_request.stream,
             grammar=grammar,
             logprobs=logprobs,
+            ignore_eos=extras.ignore_eos,
+            min_tokens=extras.min_tokens,
+            stop_token_ids=list(extras.stop_token_ids),
+            top_k=extras.top_k,
+            traced=dict(extras.traced),
         )
 
     def output(
@@ -147,12 +188,17 @@ class Codec:
     ) -> OutputStream | CompletionStream:
         if endpoint == "completions":
             return self.completions.output(body, response_id)
-        conversation_request, model = self.convert(endpoint, body)
+        conversation_request, model, extras = self.convert(endpoint, body)
         request_type, response_type = ENDPOINTS[endpoint]
         parsing = conversation_request.parsing_options
         generator = request_type.chunk_generator(conversation_request, response_id, model)
         processor = recipe.StreamProcessor(generator, parsing, self.tokenizer)
-        stream = OutputStream(processor, response_type, response_id, model, self.stop_ids, self.decoder)
+        # with ignore_eos the model's stop tokens are generated like any other (and shown as nothing)
+        stop_ids = {*self.stop_ids, *extras.stop_token_ids}
+        stream = OutputStream(processor, response_type, response_id, model, stop_ids, self.decoder)
+        stream.passed_stops = set(self.stop_ids) - set(extras.stop_token_ids) if extras.ignore_eos else set()
+        stream.include_usage = extras.include_usage
+        stream.continuous_usage = extras.continuous_usage
         stream.endpoint = endpoint
         stage = parsing.thinking_initial_stage
         stream.reasoning = stage is not None and stage != recipe.ThinkingInitialStage.ContentContinuation
@@ -192,10 +238,18 @@ class OutputStream:
         self.think_end: int | None = None  # the token that ends reasoning
         self.reasoning_tokens = 0
         self.stated: dict[str, Any] = {}  # Responses' state options, as the request gave them (common/responses.py)
+        self.passed_stops: set[int] = set()  # stop tokens generated on past (ignore_eos): counted, shown as nothing
+        self.include_usage = (
+            False  # Chat Completions' usage on a chunk of its own (else on the last, as DeepSeek's API)
+        )
+        self.continuous_usage = False  # usage on every Chat Completions chunk
+        self.prompt_tokens = 0
+        self.generated = 0  # tokens generated so far, for continuous usage
 
     def start(self, prompt_tokens: int, cached_tokens: int = 0, prompt_logprobs: Any = None) -> list[Event]:
         """The opening events (`prompt_logprobs` only matter to Completions' echo)."""
         self.response = self.response_type(self.response_id, self.model, int(time.time()), prompt_tokens, cached_tokens)
+        self.prompt_tokens = prompt_tokens
         usage = recipe.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
         return self._events(self.processor.push(recipe.InferenceChunk.ready(prompt_usage=usage)))
 
@@ -218,7 +272,10 @@ class OutputStream:
         for i, token in enumerate(token_ids):
             if self.complete:
                 break
-            if token not in self.stop_ids:
+            self.generated += token not in self.stop_ids or token in self.passed_stops  # as the usage counts
+            if token in self.passed_stops:
+                events += self._events(self.processor.push(recipe.InferenceChunk.text("", 1)))
+            elif token not in self.stop_ids:
                 if self.reasoning:  # counted as generated: the end of reasoning is reasoning's last token
                     self.reasoning_tokens += 1
                     self.reasoning = token != self.think_end
@@ -258,9 +315,29 @@ class OutputStream:
                 if isinstance(restated.get("response"), dict):
                     restated["response"].update(self.stated)
                 data = json.dumps(restated, ensure_ascii=False, separators=(",", ":"))
-            events.append(Event(name, data))
             self.response.accumulate(chunk)
+            events += self._chat_usage(data) if self.include_usage else [Event(name, data)]
         return events
+
+    def _chat_usage(self, data: str) -> list[Event]:
+        """A Chat Completions chunk as OpenAI sends it with include_usage: the usage on a last chunk
+        of its own, with no choices (the recipe puts it on the finish_reason chunk, as DeepSeek's
+        API does), and with continuous usage the counts so far on every other chunk."""
+        chunk = json.loads(data)
+        usage = chunk.get("usage")
+        if usage is not None:
+            chunk["usage"] = self._usage_so_far() if self.continuous_usage else None
+            return [Event(None, _json(chunk)), Event(None, _json({**chunk, "choices": [], "usage": usage}))]
+        if not self.continuous_usage:
+            return [Event(None, data)]
+        return [Event(None, _json({**chunk, "usage": self._usage_so_far()}))]
+
+    def _usage_so_far(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.generated,
+            "total_tokens": self.prompt_tokens + self.generated,
+        }
 
     def _count_reasoning(self, data: dict[str, Any]) -> dict[str, Any]:
         """The recipe counts reasoning tokens by tokenizing the reasoning text again, which can
@@ -270,6 +347,10 @@ class OutputStream:
                 if isinstance(usage, dict) and isinstance(usage.get(details), dict):
                     usage[details]["reasoning_tokens"] = self.reasoning_tokens
         return data
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _one_call(body: dict[str, Any]) -> bool:

@@ -144,6 +144,10 @@ class TokenizerWorker(Worker):
                     grammar=prompt.grammar,
                     logprobs=prompt.logprobs,
                     prompt_logprobs=prompt.prompt_logprobs,
+                    ignore_eos=prompt.ignore_eos,
+                    min_tokens=prompt.min_tokens,
+                    stop_token_ids=prompt.stop_token_ids,
+                    top_k=prompt.top_k,
                 ),
                 tenant=request.tenant,
                 retention=request.retention or DEFAULT_RETENTION[request.endpoint],
@@ -156,6 +160,8 @@ class TokenizerWorker(Worker):
             self._refuse(envelope.job_id, 400, error_body(request.endpoint, str(err)), span)
             return
         span.set_attribute("deepmesh.prompt_tokens", len(prompt.token_ids))
+        for name, value in prompt.traced.items():  # the client's names for the request (user, metadata, ...)
+            span.set_attribute(f"deepmesh.request.{name}", value)
         if request.count_only:  # the whole answer: nothing runs for it
             counted = ResultPayload(done=True, status=200, body={"input_tokens": len(prompt.token_ids)})
             self.hop(Topic.RESULTS, Envelope(type="result", job_id=envelope.job_id, payload=counted.model_dump()), span)

@@ -21,6 +21,7 @@ async def stats_of_the_cache(state: State) -> dict:
 
 
 @routes.get("/healthz")
+@routes.get("/health")  # vLLM's and SGLang's probe, which benchmark clients wait on before starting
 async def healthz() -> dict:
     return {"status": "ok"}
 

@@ -30,7 +30,19 @@ async def completions(request: Request, state: State) -> Response:
 
 @routes.get("/v1/models")
 async def models(state: State) -> dict:
+    """As vLLM lists them: benchmark clients read `max_model_len` (and `root`) to size their prompts."""
     return {
         "object": "list",
-        "data": [{"id": name, "object": "model", "created": 0, "owned_by": "deepmesh"} for name in state.served_models],
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "deepmesh",
+                "root": name,
+                "parent": None,
+                "max_model_len": state.max_model_len,
+            }
+            for name in state.served_models
+        ],
     }

@@ -182,7 +182,7 @@ def test_a_decode_worker_dying_mid_job_loses_and_repeats_nothing(tiny_preset, tm
         if c.get("choices")
     )
     message = results[-1].body["choices"][0]["message"]
-    assert streamed == (message["reasoning_content"] or "") + (message["content"] or "")
+    assert streamed == (message.get("reasoning_content") or "") + (message["content"] or "")
     expected = reference_body(tiny_preset, "chat.completions", body)
     assert message == expected["choices"][0]["message"]
     assert results[-1].body["usage"]["completion_tokens"] == 24

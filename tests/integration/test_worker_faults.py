@@ -170,7 +170,7 @@ def test_a_job_decode_refuses_is_answered_with_the_reason_not_left_to_time_out(t
     try:
         from tests.support.mesh_client import submit
 
-        long = submit(mesh, "chat.completions", {**BODIES["chat.completions"], "max_tokens": 100})
+        long = submit(mesh, "chat.completions", {**BODIES["chat.completions"], "max_tokens": 118})
         (result,) = collect(mesh, {long}, timeout=30)[long]
         assert result.done and result.status == 500
         assert "decode refused the job" in result.body["error"]["message"]

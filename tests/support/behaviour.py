@@ -12,6 +12,7 @@ every service in its own OS process over Apache Kafka and PostgreSQL). Both modu
 
 from __future__ import annotations
 
+import enum
 import http.client
 import json
 import threading
@@ -299,6 +300,30 @@ class Forecast(pydantic.BaseModel):
     days: int = pydantic.Field(ge=1, le=9)
 
 
+class Size(enum.Enum):
+    SMALL = "small"
+    LARGE = "large"
+
+
+class Address(pydantic.BaseModel):
+    city: Literal["Paris", "Oslo"]
+    floor: int = pydantic.Field(ge=0, le=9)
+
+
+class Office(pydantic.BaseModel):
+    desks: int = pydantic.Field(ge=1, le=9)
+
+
+class Home(pydantic.BaseModel):
+    """What pydantic writes with `$defs` and `$ref`s (an enum, nested models) and an `anyOf` of
+    objects: the schemas of most real pydantic models, which the recipe's strict form loses
+    the definitions of."""
+
+    size: Size
+    address: Address
+    workplace: Address | Office
+
+
 def reply_parsed(oai: openai.OpenAI) -> City | None:
     """The non-streamed parse of the same greedy request, to compare the streamed one with."""
     reply = oai.chat.completions.parse(model=MODEL, messages=QUESTION, response_format=City, max_tokens=120, **GREEDY)
@@ -359,6 +384,24 @@ class GatewayBehaviour(SDKClients):
             model=MODEL, input="Name a city.", text_format=City, max_output_tokens=120, reasoning={"effort": "none"}
         )
         assert isinstance(answer.output_parsed, City), answer
+
+    def test_schemas_with_definitions_enums_nested_models_and_unions(self, oai):
+        """`Home` has `$defs`: parsed in chat (streamed and not), in Responses and as a strict tool's
+        arguments."""
+        ask = [{"role": "user", "content": "Describe a home."}]
+        reply = oai.chat.completions.parse(model=MODEL, messages=ask, response_format=Home, max_tokens=150, **GREEDY)
+        assert isinstance(reply.choices[0].message.parsed, Home), reply
+        with oai.chat.completions.stream(
+            model=MODEL, messages=ask, response_format=Home, max_tokens=150, **GREEDY
+        ) as stream:
+            assert stream.get_final_completion().choices[0].message.parsed == reply.choices[0].message.parsed
+        answer = oai.responses.parse(model=MODEL, input="Describe a home.", text_format=Home, max_output_tokens=150)
+        assert isinstance(answer.output_parsed, Home), answer
+        tool = openai.pydantic_function_tool(Home, name="describe")
+        call = oai.chat.completions.parse(
+            model=MODEL, messages=ask, tools=[tool], tool_choice="required", max_tokens=150, **GREEDY
+        )
+        assert isinstance(call.choices[0].message.tool_calls[0].function.parsed_arguments, Home), call
 
     def test_forced_and_strict_tool_calls_follow_their_schema(self, oai, claude):
         """A strict tool the call must use (`required`, or named), as `pydantic_function_tool`
@@ -528,7 +571,8 @@ class GatewayBehaviour(SDKClients):
         for options, status, words in [
             ({"n": 2}, 400, "n is not supported"),
             ({"logprobs": 21}, 400, "logprobs"),
-            ({"extra_body": {"top_k": 5}}, 400, "top_k"),
+            ({"extra_body": {"top_k": -2}}, 400, "top_k"),
+            ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
             ({"max_tokens": 10**6}, 400, "maximum context length"),
             ({"prompt": ["one", "two"], "stream": True}, 400, "stream one prompt per request"),
             ({"prompt": ["one", "two", ""]}, 400, "empty"),
@@ -979,7 +1023,7 @@ class ModelOutputBehaviour(SDKClients):
 
     def test_reasoning_is_separated_from_the_answer(self, scripted, oai, claude):
         scripted.stage.reply = "The user wants the weather.</think>It is sunny in Paris."
-        reply = oai.chat.completions.create(model=MODEL, messages=QUESTION)
+        reply = oai.chat.completions.create(model=MODEL, messages=QUESTION, reasoning_effort="high")
         message = reply.choices[0].message
         assert message.reasoning_content == "The user wants the weather."
         assert message.content == "It is sunny in Paris." and reply.choices[0].finish_reason == "stop"

@@ -3,6 +3,7 @@ ones, on the random-weight tiny model; and the constraints the tokenizer service
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Literal
 
@@ -12,7 +13,7 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from tests.support.models import random_prompts
 from tokenizer_svc.constraints import MAX_SCHEMA_DEPTH, ConstraintError, Markup, output_grammar
-from tokenizer_svc.protocol import Codec
+from tokenizer_svc.protocol import Codec, ProtocolError
 
 THINK_END = 128822  # </think> in the V4 tokenizer
 MARKUP = Markup(think_end=THINK_END, dsml=128825)
@@ -118,6 +119,78 @@ def test_a_constraint_that_cannot_be_enforced_names_why(schema, named):
     with pytest.raises(ConstraintError) as refused:
         output_grammar("json", json.dumps(schema), False, MARKUP)
     assert named in str(refused.value)
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Part(pydantic.BaseModel):
+    code: Literal["a", "b"]
+
+
+class Tool(pydantic.BaseModel):
+    kind: Literal["tool"]
+
+
+class Kit(pydantic.BaseModel):
+    """An enum, a nested model and an anyOf of objects: pydantic writes $defs and $refs."""
+
+    color: Color
+    part: Part
+    extra: Part | Tool
+
+
+class Node(pydantic.BaseModel):
+    """A recursive model: its reference to itself cannot be written out."""
+
+    label: Literal["x", "y"]
+    child: Node | None
+
+
+def accepts(engine: LLMEngine, grammar: str, text: str) -> bool:
+    matcher = engine.grammars.matcher(grammar, [])
+    return matcher.consume_tokens(engine.grammars.tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+def parse_body(model: type[pydantic.BaseModel]) -> dict:
+    """What chat.completions.parse sends: openai's strict form of the model's schema."""
+    from openai.lib._parsing._completions import type_to_response_format_param
+
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Describe it."}],
+        "response_format": type_to_response_format_param(model),
+    }
+
+
+def test_schemas_with_definitions_as_the_openai_sdk_sends_them(engine, tiny_preset):
+    """The recipe drops $defs while keeping the $refs to them, refuses a $ref in an anyOf, and
+    drops const: the grammar still follows each (references written out, const as an enum)."""
+    grammar = Codec.for_model(tiny_preset, "tiny").prompt("chat.completions", parse_body(Kit)).grammar
+    assert grammar is not None
+    assert accepts(engine, grammar, '{"color":"red","part":{"code":"a"},"extra":{"kind":"tool"}}')
+    assert accepts(engine, grammar, '{"color":"blue","part":{"code":"b"},"extra":{"code":"a"}}')
+    refused = [
+        '{"color":"green","part":{"code":"a"},"extra":{"kind":"tool"}}',  # not in the enum
+        '{"color":"red","part":{},"extra":{"kind":"tool"}}',  # the nested model's field
+        '{"color":"red","part":{"code":"a"},"extra":{"kind":"spanner"}}',  # not the const
+    ]
+    assert not any(accepts(engine, grammar, text) for text in refused)
+
+
+def test_a_recursive_schema_is_refused_by_name(tiny_preset):
+    """The recipe cannot read a reference to a schema within itself, so it is refused, not loosened."""
+    with pytest.raises(ProtocolError) as refused:
+        Codec.for_model(tiny_preset, "tiny").prompt("chat.completions", parse_body(Node))
+    assert refused.value.status_code == 400 and "recursive" in refused.value.body and "Node" in refused.value.body
+
+
+def test_a_reference_to_nothing_is_refused_by_name():
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}
+    with pytest.raises(ConstraintError, match="#/\\$defs/Missing"):
+        output_grammar("json", json.dumps(schema), False, MARKUP)
 
 
 def test_a_schema_nested_past_the_bound_is_refused_before_compiling():

@@ -64,7 +64,7 @@ def test_bad_requests_get_the_protocols_error(codec, endpoint, body, message):
 
 
 def test_reasoning_is_separated_and_eos_is_not_shown(codec, text_tokens):
-    body = BODIES["chat.completions"]
+    body = {**BODIES["chat.completions"], "reasoning_effort": "high"}
     out = codec.output("chat.completions", body, "chatcmpl-1")
     events = out.start(prompt_tokens=50, cached_tokens=32)
     events += out.tokens(text_tokens("Paris is in France.</think>It is sunny."))
@@ -178,6 +178,7 @@ def test_reasoning_tokens_are_the_generated_tokens_of_the_reasoning(codec, endpo
     if answer_after is not None:
         tokens[answer_after - 1] = tokenizer.token_to_id("</think>")
     body = {**BODIES[endpoint], "max_tokens": 200} if endpoint != "responses" else {**BODIES[endpoint]}
+    body |= {"reasoning_effort": "high"} if endpoint != "responses" else {"reasoning": {"effort": "high"}}
     out = codec.output(endpoint, body, "id-r")
     events = out.start(prompt_tokens=10)
     for token in tokens:
