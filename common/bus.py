@@ -65,6 +65,12 @@ class Consumer(Protocol):
         """Go back to the committed offset of every partition this consumer holds: what was
         polled since is delivered again."""
 
+    def membership_changed(self) -> bool:
+        """Whether this consumer is no longer the group member it was at the last call: the group
+        removed it (stopped or cut off for longer than its session timeout) or it has joined again
+        as a new member. Its partitions went to others meanwhile, who redo from the committed
+        offsets what it held; what it still holds from before is stale (its first join is no change)."""
+
 
 class Bus(Protocol):
     busy_poll_timeout: float  # how long a worker with jobs in flight waits for records between steps
@@ -287,6 +293,9 @@ class MemoryConsumer:
             for topic, part in self.positions:
                 self.positions[(topic, part)] = self.bus._committed.get((self.group, topic, part), 0)
 
+    def membership_changed(self) -> bool:
+        return False  # in one process, a member is never cut off from its group
+
     def close(self) -> None:
         with self.bus._lock:
             if self.closed:
@@ -430,6 +439,8 @@ class KafkaConsumerAdapter:
         self._consumer.subscribe(topics)
         self._pending: list[Record] = []
         self._from_beginning = from_beginning
+        self._member_id = ""  # the group's id for this member at the last membership_changed ("": none)
+        self._joined = False  # it has had an id
 
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
         if self._pending:  # records polled while waiting for the assignment
@@ -490,6 +501,16 @@ class KafkaConsumerAdapter:
                 (self._consumer.seek_to_beginning if self._from_beginning else self._consumer.seek_to_end)(tp)
             else:
                 self._consumer.seek(tp, committed)
+
+    def membership_changed(self) -> bool:
+        # A member the group removed loses its id ("" until it joins again, then a new one); one
+        # that rebalances with the others keeps it, and its partitions' positions with it.
+        member_id = self._consumer.group_metadata().member_id or ""
+        if member_id == self._member_id:
+            return False
+        first_join = not self._member_id and not self._joined
+        self._member_id, self._joined = member_id, True
+        return not first_join
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)

@@ -188,6 +188,13 @@ class Worker:
             self.recover()
         # busy: only a glance at the bus between engine steps (see Bus.busy_poll_timeout)
         records = self._consumer.poll(timeout=self.bus.busy_poll_timeout if self.busy else timeout)
+        if self._consumer.membership_changed():
+            # the group removed this replica (it was stopped, or cut off, past its session
+            # timeout): its partitions' new owners redo its jobs from the committed offsets, so
+            # what it holds is stale. Drop it all and start again from those offsets.
+            log.warning("%s: the group removed this replica; its jobs go to the partitions' owners", self.group)
+            self.recover()
+            return
         owned = self._consumer.owned()
         if lost := self._owned - owned:  # a rebalance gave them to another replica, which replays their jobs
             log.info("%s: partitions %s moved away; dropping their jobs", self.group, sorted(lost))

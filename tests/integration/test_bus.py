@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -157,6 +162,50 @@ def test_owned_partitions_follow_the_group(bus):
     assert first.owned() | second.owned() == {(topic, 0), (topic, 1)}
     second.close()
     first.close()
+
+
+def test_a_member_stopped_past_its_session_sees_its_membership_change_and_starts_again_from_the_commits():
+    """A real fault: the member's process is stopped (SIGSTOP) until the group gives its partitions
+    to another, then resumed. It learns it is no longer the member it was (what it still holds
+    is stale) and, rewound, gets each partition again from its committed offset, not from where
+    it had read to."""
+    bootstrap = require_service("DEEPMESH_KAFKA_BOOTSTRAP")
+    bus = KafkaBus(bootstrap, session_timeout_ms=6_000)
+    topic, group = fresh(bus, partitions=2), f"g-{uuid.uuid4().hex[:8]}"
+    for i in range(6):
+        bus.produce(topic, f"job-{i}", b"x", partition=i % 2)
+    member = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.stalled_member", bootstrap, topic, group],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[dict] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(json.loads(line)) for line in member.stdout], daemon=True).start()
+    other = None
+    try:
+        assert lines.get(timeout=60)["event"] == "ready"
+        member.send_signal(signal.SIGSTOP)
+        other = bus.consumer([topic], group)
+        deadline = time.monotonic() + 60
+        while len(other.owned()) < 2:  # the group evicts the silent member and gives this one both
+            other.poll(timeout=0.2)
+            assert time.monotonic() < deadline, "the group never gave the stopped member's partitions away"
+        member.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        events = []
+        while not events or events[-1]["event"] != "delivered":  # it takes a partition back; this one polls on
+            other.poll(timeout=0.05)
+            with contextlib.suppress(queue.Empty):
+                events.append(lines.get_nowait())
+            assert time.monotonic() < deadline, f"the resumed member got nothing again: {events}"
+        assert events[0]["event"] == "changed"
+        assert min(offset for _, offset in events[-1]["at"]) == 1  # from the commit, not from where it had read
+    finally:
+        member.kill()
+        member.wait()
+        if other is not None:
+            other.close()
+        bus.close()
 
 
 def test_memory_bus_refuses_unknown_topics():

@@ -179,12 +179,22 @@ def test_a_held_up_decode_replica_gets_no_new_jobs_and_its_jobs_finish_elsewhere
         for stream in streams:  # its own jobs move with its partitions (the group evicts it) and finish
             stream.join(timeout=180)
         assert not any(stream.is_alive() for stream in streams), "a stream of the held-up replica never finished"
+        # the references while it is still stopped: the other processes are idle, the cores free
+        references = [{**{k: v for k, v in b.items() if k != "extra_body"}, **b["extra_body"]} for b in bodies]
+        expected = one_process_answers(model, [("chat.completions", reference) for reference in references])
     finally:
         victim.send_signal(signal.SIGCONT)
-    references = [{**{k: v for k, v in b.items() if k != "extra_body"}, **b["extra_body"]} for b in bodies]
-    expected = one_process_answers(model, [("chat.completions", reference) for reference in references])
     for i, answer in enumerate(expected):
         assert answers[f"s{i}"] == answer["choices"][0]["message"]["content"]
+    # resumed, it learns the group removed it and drops the job it held, which another replica
+    # finished meanwhile, instead of decoding it to its end again (about ten seconds alone)
+    deadline = time.monotonic() + 5
+    while True:
+        report = next((r for r in cluster.replicas.live("decode") if r.replica == held_up), None)
+        if report is not None and report.running_jobs + report.queued_jobs == 0:
+            break
+        assert time.monotonic() < deadline, f"the resumed replica still decodes what it held: {report}"
+        time.sleep(0.05)
     wait_for_replicas(cluster, prefill=2, decode=2)  # back in rotation
 
 
