@@ -208,6 +208,7 @@ class Codec:
                 "store": body.get("store") is not False,
                 "background": bool(body.get("background")),
                 "previous_response_id": body.get("previous_response_id"),
+                "metadata": body.get("metadata") or {},
             }
         return stream
 

@@ -67,11 +67,78 @@ NEUTRAL = {
     "service_tier": ("auto", "default", None),
     "modalities": (["text"], None),
 }
-TRACED = ("user", "safety_identifier", "metadata", "prompt_cache_key")  # recorded, not acted on
+ENGINE_FIELDS = {
+    "ignore_eos": "generate past the end-of-sequence token, to the cap (vLLM's extension)",
+    "min_tokens": "no end of sequence or stop token before this many tokens (vLLM's extension)",
+    "stop_token_ids": "token ids that end the answer (vLLM's extension)",
+    "top_k": "sample among the k most likely tokens",
+}
+RESPONSES_FIELDS = {
+    "model": "the served model's name",
+    "input": "the conversation",
+    "instructions": "the system prompt",
+    "max_output_tokens": "the most tokens to generate",
+    "temperature": "sampling temperature (0: greedy)",
+    "top_p": "nucleus sampling",
+    "stream": "Server-Sent Events",
+    "tools": "functions the model may call",
+    "tool_choice": "whether and which function it must call",
+    "parallel_tool_calls": "false: one call at most",
+    "text": "format: JSON object or JSON schema output",
+    "reasoning": "effort: reasoning first, at this effort ('none': off)",
+    "top_logprobs": "each output token's most likely alternatives",
+    "include": "message.output_text.logprobs: each output token's logprob",
+    "store": "kept for GET /v1/responses/{id} and previous_response_id (gateway/stored_responses.py)",
+    "background": "answered at once, run as a job (gateway)",
+    "previous_response_id": "continue a stored response (gateway)",
+    "metadata": "echoed in the response object",
+    "user": "the end user, recorded on the request's trace",
+    "safety_identifier": "the end user, recorded on the request's trace",
+    "prompt_cache_key": "recorded on the request's trace (requests are routed by their prompt's cached prefix)",
+    "service_tier": "auto or default only",
+    "truncation": "disabled only (a prompt past the context is refused, not cut)",
+    "max_tool_calls": "none only",
+    **ENGINE_FIELDS,
+}
+MESSAGES_FIELDS = {
+    "model": "the served model's name",
+    "messages": "the conversation",
+    "system": "the system prompt",
+    "max_tokens": "the most tokens to generate",
+    "stop_sequences": "stop sequences, not shown in the answer",
+    "temperature": "sampling temperature (0: greedy)",
+    "top_p": "nucleus sampling",
+    "stream": "Server-Sent Events",
+    "tools": "tools the model may use",
+    "tool_choice": "a named tool is enforced; auto and any leave the choice to the model",
+    "thinking": "reasoning before the answer: enabled (or adaptive) or disabled",
+    "output_config": "effort: reasoning first, at this effort",
+    "metadata": "user_id, recorded on the request's trace",
+    "service_tier": "auto or standard_only only",
+    "cache_control": "every prompt's prefixes are cached already; recorded on the request's trace",
+    **ENGINE_FIELDS,
+}
+# each endpoint's neutral-only fields (Chat Completions': NEUTRAL)
+RESPONSES_NEUTRAL = {
+    "service_tier": ("auto", "default", None),
+    "truncation": ("disabled", None),
+    "max_tool_calls": (None,),
+}
+MESSAGES_NEUTRAL = {"service_tier": ("auto", "standard_only", None)}
+TRACED = ("user", "safety_identifier", "metadata", "prompt_cache_key", "cache_control")  # recorded, not acted on
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 THINKING_SWITCHES = ("thinking", "enable_thinking")  # chat_template_kwargs keys (SGLang's, vLLM's)
 # the options read here on every endpoint: the engine's, beside those each protocol has
 ENGINE_EXTRAS = ("ignore_eos", "min_tokens", "stop_token_ids", "top_k")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+# endpoint -> (its fields and what each does, those taken at a neutral value only)
+FIELDS = {
+    "chat.completions": (CHAT_FIELDS, NEUTRAL),
+    "responses": (RESPONSES_FIELDS, RESPONSES_NEUTRAL),
+    "messages": (MESSAGES_FIELDS, MESSAGES_NEUTRAL),
+}
 
 
 class FieldError(ValueError):
@@ -93,15 +160,19 @@ class Extras:
 
 def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str, Any], Extras]:
     """The body as the recipe reads it, and the extras; FieldError naming what cannot be taken."""
-    if endpoint != "chat.completions":
-        # Responses and Messages: their protocol fields go to the recipe as sent
-        rest = {k: v for k, v in body.items() if k not in ENGINE_EXTRAS}
-        return rest, _engine_extras(body, vocab_size)
-    if unknown := sorted(set(body) - set(CHAT_FIELDS)):
+    fields, neutral_values = FIELDS[endpoint]
+    if unknown := sorted(set(body) - set(fields)):
         raise FieldError(f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
-    for name, neutral in NEUTRAL.items():
+    for name, neutral in neutral_values.items():
         if name in body and body[name] not in neutral:
-            raise FieldError(f"{name}: {CHAT_FIELDS[name]} (not {body[name]!r})")
+            raise FieldError(f"{name}: {fields[name]} (not {body[name]!r})")
+    traced = tuple((name, str(body[name])) for name in TRACED if body.get(name) is not None and name in fields)
+    if endpoint != "chat.completions":  # the rest of Responses and Messages goes to the recipe as sent
+        rest = {k: v for k, v in body.items() if k not in (*ENGINE_EXTRAS, *neutral_values, "cache_control")}
+        if endpoint == "responses":
+            rest = _responses_include(rest)
+        extras = _engine_extras(body, vocab_size)
+        return rest, Extras(**{**extras.__dict__, "traced": traced})
     recipe_body = {k: v for k, v in body.items() if k not in (*ENGINE_EXTRAS, *NEUTRAL, "chat_template_kwargs")}
     if "max_completion_tokens" in body:
         cap = recipe_body.pop("max_completion_tokens")
@@ -120,10 +191,22 @@ def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str
         include_usage = continuous or _flag(options, "include_usage", "stream_options.include_usage")
         if continuous:  # usage on every chunk, and on a last one of its own
             recipe_body["stream_options"]["include_usage"] = True
-    traced = tuple((name, str(body[name])) for name in TRACED if body.get(name) is not None)
     extras = _engine_extras(body, vocab_size)
     asked = {"include_usage": include_usage, "continuous_usage": continuous, "traced": traced}
     return recipe_body, Extras(**{**extras.__dict__, **asked})
+
+
+def _responses_include(body: dict[str, Any]) -> dict[str, Any]:
+    """Responses' `include`: the output's logprobs, which the recipe turns on by `top_logprobs`
+    alone (so `include` without it would be ignored); nothing else it can name is produced here."""
+    include = body.pop("include", None) or []
+    if not isinstance(include, list) or not all(isinstance(item, str) for item in include):
+        raise FieldError("include must be a list of strings")
+    if unknown := sorted(set(include) - {LOGPROBS_INCLUDE}):
+        raise FieldError(f"include: unsupported {', '.join(unknown)} (only {LOGPROBS_INCLUDE})")
+    if include and body.get("top_logprobs") is None:
+        body["top_logprobs"] = 0
+    return body
 
 
 def _engine_extras(body: dict[str, Any], vocab_size: int) -> Extras:

@@ -599,7 +599,7 @@ class GatewayBehaviour(SDKClients):
 
     def test_responses_stream_and_not(self, oai):
         # greedy: a sampled answer of a random-weight model may end early, at a sampled end of sequence
-        greedy = {"temperature": 0, "extra_body": GREEDY["extra_body"]}
+        greedy = {"temperature": 0, "reasoning": {"effort": "none"}}  # Responses' switch (not chat's `thinking`)
         reply = oai.responses.create(model=MODEL, input="What is a Kafka partition?", max_output_tokens=10, **greedy)
         assert reply.status in ("completed", "incomplete") and reply.usage.output_tokens == 10
         events = list(oai.responses.create(model=MODEL, input="Hi", max_output_tokens=6, stream=True, **greedy))

@@ -59,6 +59,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "benchmarks": (*EVERYTHING, "tests.*"),
     # test any part
     "tests": EVERYTHING,
+    # tools run beside the project, against a running server (scripts/compat: the benchmark and
+    # evaluation clients in an environment of their own): they import none of it
+    "scripts": (),
 }
 
 

