@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny
 
-.PHONY: run test test-unit lint bench install stack-down clean
+.PHONY: run test test-unit lint bench compat install stack-down clean
 
 install: $(INSTALLED)
 
@@ -57,5 +57,10 @@ bench: $(INSTALLED)
 	$(BIN)/python benchmarks/engine_vs_transformers.py --config small
 	$(BIN)/python benchmarks/engine_vs_transformers.py --config tiny-vocab
 
+# deepmesh against guidellm, aiperf and lm-eval, installed in .compat-venv of their own: a short
+# run of each, checked from each one's own report (scripts/compat/README.md)
+compat: $(INSTALLED) $(TINY_MODEL)/config.json
+	scripts/compat/run
+
 clean: stack-down
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .compat-venv .cache
