@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, StateSnapshot
+from engine.checkpoint.make_model import preset_config, write_checkpoint
+from engine.config import CSA, HCA, SLIDING
 from tests.support.models import all_state_free, decode_to_end, prefill_and_export, random_prompts
 
 # decoding crosses what a step can change: HCA windows close at 127 and 255 (prompts of 100 and
@@ -25,6 +27,17 @@ from tests.support.models import all_state_free, decode_to_end, prefill_and_expo
 LENGTHS = (1, 17, 100, 250, 520)
 MAX_TOKENS = (40, 31, 22, 13, 40)  # requests leave one by one: batches of 4, 3 (padded to 4), 2 and 1
 SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The tiny preset with one layer of each kind (HCA, CSA and sliding-window attention; hash
+    and routed MoE) instead of four: every kind of layer is compiled, in less time."""
+    config = preset_config(
+        "tiny", num_hidden_layers=3, layer_types=[HCA, CSA, SLIDING], mlp_layer_types=["hash_moe", "moe", "moe"]
+    )
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("three-layers") / "model", config, seed=1)
+    return LLMEngine.from_pretrained(checkpoint).model
 
 
 def greedy(max_tokens: int) -> SamplingParams:
