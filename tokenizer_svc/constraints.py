@@ -33,28 +33,19 @@ class Markup:
     dsml: int  # ｜DSML｜ (an ordinary one): in every tag of the tool-call markup, <｜DSML｜invoke ...>, ...
 
 
-def output_grammar(
-    kind: str,
-    schema: str,
-    thinking: bool,
-    markup: Markup,
-    one_call: bool = False,
-    definitions: dict[str, Any] | None = None,
-) -> str | None:
+def output_grammar(kind: str, schema: str, thinking: bool, markup: Markup, one_call: bool = False) -> str | None:
     """The llguidance grammar of an output constraint (`OutputConstraint.kind` and `.schema`),
     or None when there is nothing to enforce (tools none of which is strict, chosen freely).
-    `one_call`: at most one tool call (`parallel_tool_calls: false`). `definitions`: the
-    request's own `$defs`, which the recipe's strict form of a schema leaves out while keeping
-    the `$ref`s to them (what pydantic writes for every enum and nested model)."""
-    definitions = definitions or {}
+    `one_call`: at most one tool call (`parallel_tool_calls: false`). The request's schemas
+    reach the recipe with their references written out (`schemas_for_the_recipe`)."""
     if kind == "regex":
         answer = "answer: /" + schema.replace("/", "\\/") + "/\n"
     elif kind == "json":
-        answer = f"answer: %json {json.dumps(_compact(schema, definitions))}\n"
+        answer = f"answer: %json {json.dumps(_compact(schema))}\n"
     elif kind == "tool_call_required":  # the prompt ends inside the markup: <｜DSML｜tool_calls>\n
-        answer = "answer: calls\n" + _tool_calls(_tools(schema, definitions), markup.dsml, one_call)
+        answer = "answer: calls\n" + _tool_calls(_tools(schema), markup.dsml, one_call)
     elif kind == "tool_call":
-        tools = _tools(schema, definitions)
+        tools = _tools(schema)
         if not any(tool.get("function", {}).get("strict") for tool in tools):
             return None
         # an answer in text, or text then the calls. ｜DSML｜ is an ordinary token (its text
@@ -77,13 +68,13 @@ def output_grammar(
     return grammar
 
 
-def _tools(schema: str, definitions: dict[str, Any]) -> list[dict[str, Any]]:
-    """The tools of a tool-call constraint, each one's parameters with their references resolved."""
+def _tools(schema: str) -> list[dict[str, Any]]:
+    """The tools of a tool-call constraint, each one's parameters with their own references resolved."""
     tools = json.loads(schema)
     for tool in tools:
         function = tool.get("function", {})
         if isinstance(function.get("parameters"), dict):
-            function["parameters"] = resolve_references(function["parameters"], definitions)
+            function["parameters"] = resolve_references(function["parameters"])
     return tools
 
 
@@ -108,8 +99,6 @@ def _tool_calls(tools: list[dict[str, Any]], dsml: int, one_call: bool) -> str:
         parts = []
         for i, (key, sub) in enumerate((parameters.get("properties") or {}).items()):
             raw = isinstance(sub, dict) and sub.get("type") == "string"
-            if not raw and isinstance(sub, dict) and "$defs" in parameters:  # a recursive reference left
-                sub = {**sub, "$defs": parameters["$defs"]}
             value = _raw_string(key, sub) if raw else f"%json {json.dumps(_compact(json.dumps(sub)))}"
             opening = _literal(f'parameter name="{key}" string="{"true" if raw else "false"}">')
             rules.append(f'param{n}_{i}: {tag}{opening} {value} {end}"parameter>\\n"')
@@ -138,13 +127,13 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _compact(schema: str, definitions: dict[str, Any] | None = None) -> dict[str, Any]:
+def _compact(schema: str) -> dict[str, Any]:
     """The schema, its references resolved, checked for depth, with JSON's whitespace fixed. None
     (json_object) is an object, as OpenAI's and DeepSeek's JSON mode give."""
     parsed = json.loads(schema) if schema else {"type": "object"}
     if not isinstance(parsed, dict):
         raise ConstraintError("the JSON schema must be an object")
-    parsed = resolve_references(parsed, definitions or {})
+    parsed = resolve_references(parsed)
     if _depth(parsed) > MAX_SCHEMA_DEPTH:
         raise ConstraintError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     options = parsed.get("x-guidance") if isinstance(parsed.get("x-guidance"), dict) else {}
@@ -152,25 +141,6 @@ def _compact(schema: str, definitions: dict[str, Any] | None = None) -> dict[str
 
 
 DEFINITIONS = ("$defs", "definitions")  # JSON Schema's name for them, and draft 7's (older pydantic)
-
-
-def schema_definitions(node: Any) -> dict[str, Any]:
-    """Every `$defs` / `definitions` entry in a request body (its schemas' own), by name: a name
-    two schemas define differently cannot be told apart once the recipe has dropped them."""
-    found: dict[str, Any] = {}
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key in DEFINITIONS:
-                if isinstance(item.get(key), dict):
-                    for name, definition in item[key].items():
-                        if found.setdefault(name, definition) != definition:
-                            raise ConstraintError(f"two schemas of the request define {name!r} differently")
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return found
 
 
 def schemas_for_the_recipe(body: dict[str, Any]) -> dict[str, Any]:
@@ -181,7 +151,7 @@ def schemas_for_the_recipe(body: dict[str, Any]) -> dict[str, Any]:
 
     def rewritten(holder: Any, key: str) -> None:
         if isinstance(holder, dict) and isinstance(holder.get(key), dict):
-            resolved = resolve_references(holder[key], {})
+            resolved = resolve_references(holder[key])
             if "$defs" in resolved:  # what is left is recursive, which the recipe cannot read
                 names = ", ".join(sorted(resolved["$defs"]))
                 raise ConstraintError(f"recursive JSON schemas are not supported (a $ref within {names})")
@@ -211,7 +181,15 @@ def _with_enums(node: Any) -> Any:
         return [_with_enums(item) for item in node]
     if not isinstance(node, dict):
         return node
-    node = {k: v if k in ("enum", "const", "default", "examples") else _with_enums(v) for k, v in node.items()}
+    rewritten: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("enum", "const", "default", "examples"):  # values, not schemas
+            rewritten[key] = value
+        elif key in ("properties", "patternProperties", *DEFINITIONS) and isinstance(value, dict):
+            rewritten[key] = {name: _with_enums(schema) for name, schema in value.items()}  # names, then schemas
+        else:
+            rewritten[key] = _with_enums(value)
+    node = rewritten
     if "const" in node:
         node["enum"] = [node.pop("const")]
     if "enum" in node and "type" not in node:
@@ -221,11 +199,11 @@ def _with_enums(node: Any) -> Any:
     return node
 
 
-def resolve_references(schema: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+def resolve_references(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with each local reference (`#/$defs/Name`, `#/definitions/Name`) replaced by
-    what it names, from the schema's own definitions or the request's. A recursive one (a tree,
-    a linked list) stays a reference, with the definitions at the root for llguidance to follow."""
-    known = {**definitions, **{k: v for key in DEFINITIONS for k, v in (schema.get(key) or {}).items()}}
+    what it names in the schema's own definitions. A recursive one (a tree, a linked list) stays
+    a reference, with the definitions at the root for llguidance to follow."""
+    known = {k: v for key in DEFINITIONS for k, v in (schema.get(key) or {}).items()}
     recursive: list[str] = []
 
     def resolve(node: Any, within: tuple[str, ...]) -> Any:

@@ -26,13 +26,7 @@ from common.api import protocol_problem
 from common.responses import RESPONSE_EVENTS
 from tokenizer_svc import request_fields
 from tokenizer_svc.completions import Completions, CompletionStream
-from tokenizer_svc.constraints import (
-    ConstraintError,
-    Markup,
-    output_grammar,
-    schema_definitions,
-    schemas_for_the_recipe,
-)
+from tokenizer_svc.constraints import ConstraintError, Markup, output_grammar, schemas_for_the_recipe
 from tokenizer_svc.conversion import Event, Prompt, ProtocolError, error_json
 from tokenizer_svc.request_fields import Extras
 
@@ -159,11 +153,7 @@ class Codec:
             thinking = bool(token_ids) and token_ids[-1] == self.think_start  # reasoning first, then the answer
             try:
                 one_call = isinstance(body, dict) and _one_call(body)
-                # the schemas' own definitions, which the recipe's form of them leaves out
-                definitions = schema_definitions(body if isinstance(body, dict) else json.loads(body))
-                grammar = output_grammar(
-                    constraint.kind, constraint.schema, thinking, self.markup, one_call, definitions
-                )
+                grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.markup, one_call)
             except ConstraintError as err:
                 raise ProtocolError(400, error_json(endpoint, str(err))) from err
         return Prompt(

@@ -305,3 +305,21 @@ def test_the_end_of_sequence_is_allowed_where_the_answer_may_end(engine):
     assert step.first_allowed(0, [eos]) is None  # the object is still open
     assert matcher.consume_tokens(answer[-1:] + engine.grammars.tokenizer.tokenize_str("}"))
     assert matcher.validate_tokens([eos]) == 0 and step.first_allowed(0, [eos]) == eos
+
+
+def test_properties_named_like_keywords_stay_properties(engine, tiny_preset):
+    """A property called `const` or `enum` is a name, not the keyword: only schemas are rewritten."""
+    schema = {
+        "type": "object",
+        "properties": {"const": {"type": "string", "const": "a"}, "enum": {"type": "integer", "enum": [1, 2]}},
+        "required": ["const", "enum"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Describe it."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "k", "schema": schema, "strict": True}},
+    }
+    grammar = Codec.for_model(tiny_preset, "tiny").prompt("chat.completions", body).grammar
+    assert accepts(engine, grammar, '{"const":"a","enum":2}')
+    assert not accepts(engine, grammar, '{"const":"b","enum":2}')
