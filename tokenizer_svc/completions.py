@@ -10,7 +10,6 @@ with `echo` the prompt's own entries first.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from functools import cache
@@ -19,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenizers import Tokenizer
 
-from tokenizer_svc.conversion import Event, Prompt, ProtocolError, error_json
+from tokenizer_svc.conversion import Event, Prompt, ProtocolError, compact_json, error_json
 
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; evaluation tasks stop at more (vLLM takes any number)
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -307,7 +306,7 @@ class CompletionStream:
         if final:
             events.append(self._chunk("", [], self.finish_reason))
             if self._include_usage:
-                events.append(Event(None, _json({**self._head(), "choices": [], "usage": self._usage()})))
+                events.append(Event(None, compact_json({**self._head(), "choices": [], "usage": self._usage()})))
         return events
 
     def _take_entries(self, before: int, everything: bool = False) -> list[_Entry]:
@@ -345,7 +344,7 @@ class CompletionStream:
             chunk["usage"] = {k: v for k, v in self._usage().items() if k != "prompt_tokens_details"}
         elif self._include_usage:
             chunk["usage"] = None
-        return Event(None, _json(chunk))
+        return Event(None, compact_json(chunk))
 
     def _usage(self) -> dict[str, Any]:
         return {
@@ -426,7 +425,3 @@ def _byte_of_char() -> dict[str, int]:
             chars[chr(256 + extra)] = byte
             extra += 1
     return chars
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

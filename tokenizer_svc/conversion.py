@@ -50,6 +50,11 @@ class Event:
     data: str
 
 
+def compact_json(value: object) -> str:
+    """An event's data as the protocols send it: UTF-8 as is, no spaces."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def error_json(endpoint: str, message: str) -> str:
     """An error body in the endpoint's own format, as JSON text."""
     return json.dumps(error_body(endpoint, message))

@@ -27,7 +27,7 @@ from common.responses import RESPONSE_EVENTS
 from tokenizer_svc import request_fields
 from tokenizer_svc.completions import Completions, CompletionStream
 from tokenizer_svc.constraints import ConstraintError, Markup, output_grammar, schemas_for_the_recipe
-from tokenizer_svc.conversion import Event, Prompt, ProtocolError, error_json
+from tokenizer_svc.conversion import Event, Prompt, ProtocolError, compact_json, error_json
 from tokenizer_svc.request_fields import Extras
 
 ENDPOINTS = {  # endpoint -> (request type, response type); response ids: common.api.response_id
@@ -118,7 +118,7 @@ class Codec:
             return request.convert(self.options), model, extras
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
-        except Exception as err:  # not a JSON object, a number the recipe cannot hold (OverflowError), ...
+        except Exception as err:  # a number the recipe cannot hold (OverflowError), ...
             raise ProtocolError(400, error_json(endpoint, f"unreadable request: {err}")) from err
 
     def prompt(self, endpoint: str, body: dict[str, Any] | bytes | str) -> Prompt:
@@ -230,9 +230,7 @@ class OutputStream:
         self.reasoning_tokens = 0
         self.stated: dict[str, Any] = {}  # Responses' state options, as the request gave them (common/responses.py)
         self.passed_stops: set[int] = set()  # stop tokens generated on past (ignore_eos): counted, shown as nothing
-        self.include_usage = (
-            False  # Chat Completions' usage on a chunk of its own (else on the last, as DeepSeek's API)
-        )
+        self.include_usage = False  # Chat Completions' usage on a chunk of its own (else on the finish chunk)
         self.continuous_usage = False  # usage on every Chat Completions chunk
         self.prompt_tokens = 0
         self.generated = 0  # tokens generated so far, for continuous usage
@@ -305,7 +303,7 @@ class OutputStream:
                 restated = self._count_reasoning(json.loads(data))
                 if isinstance(restated.get("response"), dict):
                     restated["response"].update(self.stated)
-                data = json.dumps(restated, ensure_ascii=False, separators=(",", ":"))
+                data = compact_json(restated)
             self.response.accumulate(chunk)
             events += self._chat_usage(data) if self.include_usage else [Event(name, data)]
         return events
@@ -318,10 +316,13 @@ class OutputStream:
         usage = chunk.get("usage")
         if usage is not None:
             chunk["usage"] = self._usage_so_far() if self.continuous_usage else None
-            return [Event(None, _json(chunk)), Event(None, _json({**chunk, "choices": [], "usage": usage}))]
+            return [
+                Event(None, compact_json(chunk)),
+                Event(None, compact_json({**chunk, "choices": [], "usage": usage})),
+            ]
         if not self.continuous_usage:
             return [Event(None, data)]
-        return [Event(None, _json({**chunk, "usage": self._usage_so_far()}))]
+        return [Event(None, compact_json({**chunk, "usage": self._usage_so_far()}))]
 
     def _usage_so_far(self) -> dict[str, int]:
         return {
@@ -338,10 +339,6 @@ class OutputStream:
                 if isinstance(usage, dict) and isinstance(usage.get(details), dict):
                     usage[details]["reasoning_tokens"] = self.reasoning_tokens
         return data
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _one_call(body: dict[str, Any]) -> bool:
