@@ -15,6 +15,7 @@ import torch
 
 from engine import LLMEngine
 from engine.checkpoint.make_model import write_checkpoint
+from tests.support.compiled_models import BACKGROUND_COMPILE, BackgroundCompile
 from tests.support.leftovers import mark_this_run, wait_for_leftovers
 from tests.support.models import PARITY_CONFIGS
 from tests.support.parallel import ids_run_once
@@ -32,6 +33,7 @@ STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
 
 
 SYSTEM_TIER = Path(__file__).resolve().parent / "system"
+COMPILED_DECODE = SYSTEM_TIER / "test_compiled_decode.py"
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
@@ -43,16 +45,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SYSTEM_TIER in item.path.parents and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.alone)
+    # last, so that the graphs compiled ahead (pytest_collection_finish) are ready when it starts
+    items.sort(key=lambda item: item.path == COMPILED_DECODE)
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A serial run that holds the compiled-decode tests compiles their graphs ahead, on the core
+    its other tests leave idle (tests/support/compiled_models.py). Under pytest-xdist, whose
+    workers keep both cores busy, the module compiles them itself."""
+    if "PYTEST_XDIST_WORKER" in os.environ or not any(item.path == COMPILED_DECODE for item in session.items):
+        return
+    session.config.stash[BACKGROUND_COMPILE] = BackgroundCompile()
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Fail the run if a process one of its tests started is still alive (and end it)."""
+    if (background := session.config.stash.get(BACKGROUND_COMPILE, None)) is not None:
+        background.stop()  # a run stopped before the module: no longer needed
     found = wait_for_leftovers(THIS_RUN, STACK_DIR)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if not found:
         return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", f"{len(found)} process(es) started by this run outlived it (now killed)", red=True)
         for leftover in found:

@@ -2,9 +2,10 @@
 tokens in every mode (batch sizes that pad, chunked prefill through the compiled step, state
 handed over, prefixes imported), and eager decoding, with one log line, where nothing compiles.
 
-The graphs are compiled once for this module (the buckets 1, 2 and 4); engines with the same
-state shapes reuse them. An engine compiles them in the background and decodes eager until they
-are ready: requests that cross that switch keep their tokens."""
+The graphs (the buckets 1, 2 and 4) are compiled once; in a serial run, ahead, by a process at
+the lowest priority while the other tests run, this module last (tests/support/compiled_models.py).
+Engines with the same state shapes reuse them. An engine compiles them in the background and
+decodes eager until they are ready: requests that cross that switch keep their tokens."""
 
 from __future__ import annotations
 
@@ -12,31 +13,30 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 from collections import defaultdict
 
 import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, StateSnapshot
-from engine.checkpoint.make_model import preset_config, write_checkpoint
-from engine.config import CSA, HCA, SLIDING
+from tests.support.compiled_models import BACKGROUND_COMPILE, SLOTS, compiled_engine, write_three_layer_model
 from tests.support.models import all_state_free, decode_to_end, prefill_and_export, random_prompts
 
 # decoding crosses what a step can change: HCA windows close at 127 and 255 (prompts of 100 and
 # 250), a new block starts at 128, CSA windows close every 4 tokens
 LENGTHS = (1, 17, 100, 250, 520)
 MAX_TOKENS = (40, 31, 22, 13, 40)  # requests leave one by one: batches of 4, 3 (padded to 4), 2 and 1
-SLOTS = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """The tiny preset with one layer of each kind (HCA, CSA and sliding-window attention; hash
-    and routed MoE) instead of four: every kind of layer is compiled, in less time."""
-    config = preset_config(
-        "tiny", num_hidden_layers=3, layer_types=[HCA, CSA, SLIDING], mlp_layer_types=["hash_moe", "moe", "moe"]
-    )
-    checkpoint = write_checkpoint(tmp_path_factory.mktemp("three-layers") / "model", config, seed=1)
+def tiny_model(request, tmp_path_factory):
+    """The three-layer model (tests/support/compiled_models.py), once its graphs compiled ahead are
+    in the Inductor cache, where the run compiled them behind the other tests."""
+    background = request.config.stash.get(BACKGROUND_COMPILE, None)
+    if background is not None and (failure := background.wait()) is not None:
+        warnings.warn(f"compiling ahead failed ({failure}): this module compiles its graphs itself", stacklevel=1)
+    checkpoint = write_three_layer_model(tmp_path_factory.mktemp("three-layers") / "model")
     return LLMEngine.from_pretrained(checkpoint).model
 
 
@@ -54,15 +54,6 @@ def expected(tiny_model, prompts) -> list[list[int]]:
     """The eager engine's greedy tokens, one request at a time."""
     engine = LLMEngine(tiny_model, max_num_batched_tokens=4096)
     return [engine.generate([p], greedy(max(MAX_TOKENS)))[0].token_ids for p in prompts]
-
-
-def compiled_engine(model, **options) -> LLMEngine:
-    """An engine whose decode graphs are all ready: every decode step it runs is compiled."""
-    engine = LLMEngine(model, max_num_seqs=SLOTS, compile_decode=True, **options)
-    assert engine.compiled_decode is not None, "torch.compile is unavailable: no g++? (scripts/stack toolchain)"
-    assert engine.compiled_decode.buckets == [1, 2, 4]
-    assert engine.wait_compiled(), engine.compiled_decode.failure
-    return engine
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,107 @@
+"""The model tests/system/test_compiled_decode.py compiles, and its graphs compiled ahead, behind
+the rest of the run.
+
+Compiling its three buckets takes about two minutes of one core on a fresh machine, and most of
+the `alone` part of `make test` leaves a core idle while it waits on the broker and on killed
+processes. So when a serial run selects that module, `BackgroundCompile` starts this file as a
+process at the lowest priority as the run starts: it compiles the same model's graphs into the
+shared Inductor cache (.cache/torchinductor) on the idle core, and the module, which runs last,
+waits for it and then loads its graphs from the cache. Nothing is taken on trust: the module
+still compares every compiled token with the eager engine's, and where the process failed or
+never ran it compiles the graphs itself.
+
+    python -m tests.support.compiled_models DIR   # writes the model to DIR, compiles, exits
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLMEngine
+from engine.checkpoint.make_model import preset_config, write_checkpoint
+from engine.config import CSA, HCA, SLIDING
+from engine.model import DeepseekV4ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[2]
+SLOTS = 4  # the engines' max_num_seqs: buckets 1, 2 and 4
+
+
+def write_three_layer_model(directory: Path) -> Path:
+    """The tiny preset with one layer of each kind (HCA, CSA and sliding-window attention; hash
+    and routed MoE) instead of four: every kind of layer is compiled, in less time."""
+    config = preset_config(
+        "tiny", num_hidden_layers=3, layer_types=[HCA, CSA, SLIDING], mlp_layer_types=["hash_moe", "moe", "moe"]
+    )
+    return write_checkpoint(directory, config, seed=1)
+
+
+def compiled_engine(model: DeepseekV4ForCausalLM, **options) -> LLMEngine:
+    """An engine whose decode graphs are all ready: every decode step it runs is compiled."""
+    engine = LLMEngine(model, max_num_seqs=SLOTS, compile_decode=True, **options)
+    assert engine.compiled_decode is not None, "torch.compile is unavailable: no g++? (scripts/stack toolchain)"
+    assert engine.compiled_decode.buckets == [1, 2, 4]
+    assert engine.wait_compiled(), engine.compiled_decode.failure
+    return engine
+
+
+class BackgroundCompile:
+    """This file run as a process at the lowest CPU priority, so that it runs on what the tests
+    leave idle, in a directory of its own that `stop` removes."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.TemporaryDirectory(prefix="compiled-ahead-")
+        self.log = Path(self.directory.name) / "compile.log"
+        command = [sys.executable, "-m", "tests.support.compiled_models", str(Path(self.directory.name) / "model")]
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait(self, timeout: float = 900) -> str | None:
+        """Block until the process ends; None if it compiled every graph, else what went wrong."""
+        try:
+            returncode = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return f"still compiling after {timeout:.0f} s"
+        return None if returncode == 0 else f"exited {returncode}: {self.log.read_text()[-2000:]}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.directory.cleanup()
+
+
+# where the run keeps its BackgroundCompile, if it started one (tests/conftest.py)
+BACKGROUND_COMPILE = pytest.StashKey[BackgroundCompile]()
+
+
+def lowest_priority() -> None:
+    """Nice 19 for this process, and for its session's autogroup where the kernel groups processes
+    by session (sched_autogroup): there a process's nice weighs only against its own session's,
+    and every service a test starts has a session of its own."""
+    os.nice(19)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/autogroup").write_text("19")
+
+
+if __name__ == "__main__":
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    # Inductor checks the CPU's vector instructions under a lock every compiling process takes:
+    # done here first, at normal priority, lest a service wait on the lock while this one is starved
+    pick_vec_isa()
+    lowest_priority()
+    start = time.perf_counter()
+    engine = compiled_engine(LLMEngine.from_pretrained(write_three_layer_model(Path(sys.argv[1]))).model)
+    print(f"decode graphs for buckets {engine.compiled_decode.buckets} ready in {time.perf_counter() - start:.1f} s")
