@@ -16,6 +16,7 @@ import torch
 from engine import LLMEngine
 from engine.checkpoint.make_model import write_checkpoint
 from tests.support.compiled_models import BACKGROUND_COMPILE, BackgroundCompile
+from tests.support.infra import BrokerNames
 from tests.support.leftovers import mark_this_run, wait_for_leftovers
 from tests.support.models import PARITY_CONFIGS
 from tests.support.parallel import ids_run_once
@@ -34,6 +35,7 @@ STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
 
 SYSTEM_TIER = Path(__file__).resolve().parent / "system"
 COMPILED_DECODE = SYSTEM_TIER / "test_compiled_decode.py"
+BROKER_NAMES = pytest.StashKey[BrokerNames]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
@@ -51,6 +53,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    bootstrap = os.environ.get("DEEPMESH_KAFKA_BOOTSTRAP")
+    # the run as a whole, not each pytest-xdist worker
+    if bootstrap and "PYTEST_XDIST_WORKER" not in os.environ and (names := BrokerNames.taken(bootstrap)):
+        session.config.stash[BROKER_NAMES] = names
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A serial run that holds the compiled-decode tests compiles their graphs ahead, on the core
     its other tests leave idle (tests/support/compiled_models.py). Under pytest-xdist, whose
@@ -61,11 +70,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Fail the run if a process one of its tests started is still alive (and end it)."""
+    """Fail the run if a process one of its tests started is still alive (and end it); delete
+    the topics and consumer groups its tests made."""
     if (background := session.config.stash.get(BACKGROUND_COMPILE, None)) is not None:
         background.stop()  # a run stopped before the module: no longer needed
     found = wait_for_leftovers(THIS_RUN, STACK_DIR)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    names = session.config.stash.get(BROKER_NAMES, None)
+    if names is not None and (problem := names.delete_new()) is not None and reporter is not None:
+        reporter.write_line(f"the topics and groups this run made stay on the broker: {problem}", yellow=True)
     if not found:
         return
     if reporter is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.behaviour import MODEL
-from tests.support.infra import free_port, fresh_database, require_service, wait_until_up
+from tests.support.infra import SESSION_TIMEOUT_MS, free_port, fresh_database, require_service, wait_until_up
 
 
 class Cluster:
@@ -42,8 +42,8 @@ class Cluster:
             "DEEPMESH_FILES_DIR": str(root / "files"),
             "DEEPMESH_REDIS_URL": require_service("DEEPMESH_REDIS_URL"),
             "DEEPMESH_BATCH_ROUND_SECONDS": "0.5",
-            # a killed worker's partitions move after 6 s (the broker's least) instead of 10
-            "DEEPMESH_KAFKA_SESSION_TIMEOUT_MS": "6000",
+            # a killed worker's partitions move after 3 s instead of 10
+            "DEEPMESH_KAFKA_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS),
         }
         self.processes: dict[str, subprocess.Popen] = {}
         self.url = f"http://127.0.0.1:{self.gateway_port}"

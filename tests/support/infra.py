@@ -15,6 +15,60 @@ import time
 import httpx
 import pytest
 
+# How long a consumer the tests kill or stop keeps its partitions before the group moves them: the
+# least scripts/stack's broker allows (group.min.session.timeout.ms), three heartbeats (common/bus.py)
+SESSION_TIMEOUT_MS = 3_000
+
+
+class BrokerNames:
+    """The topics and consumer groups on the stack's broker when a run starts: at its end, the
+    ones its tests made are deleted, so that runs do not pile them up (a broker restarted after a
+    SIGKILL, as the chaos test does, recovers every partition it holds before it answers)."""
+
+    def __init__(self, bootstrap: str):
+        self.bootstrap = bootstrap
+        self.topics, self.groups = self._names()
+
+    @classmethod
+    def taken(cls, bootstrap: str) -> BrokerNames | None:
+        """The names now, or None where no broker answers (the tests that need one say so)."""
+        from kafka.errors import KafkaError
+
+        try:
+            return cls(bootstrap)
+        except KafkaError:
+            return None
+
+    def _admin(self):
+        from kafka.admin import KafkaAdminClient
+
+        return KafkaAdminClient(bootstrap_servers=self.bootstrap, client_id="tests-cleanup")
+
+    def _names(self) -> tuple[set[str], set[str]]:
+        admin = self._admin()
+        try:
+            return set(admin.list_topics()), {group["group_id"] for group in admin.list_groups()}
+        finally:
+            admin.close()
+
+    def delete_new(self) -> str | None:
+        """Delete what the run made; what went wrong, if anything did."""
+        from kafka.errors import KafkaError
+
+        try:
+            topics, groups = self._names()
+            admin = self._admin()
+            try:
+                if new_groups := sorted(groups - self.groups):
+                    admin.delete_groups(new_groups)  # a group that still has members stays
+                if new_topics := sorted(topics - self.topics):
+                    admin.delete_topics(new_topics)
+            finally:
+                admin.close()
+        except KafkaError as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
 
 def free_port() -> int:
     with socket.socket() as probe:
