@@ -21,9 +21,13 @@ from tests.support.leftovers import mark_this_run, wait_for_leftovers
 from tests.support.models import PARITY_CONFIGS
 from tests.support.parallel import ids_run_once
 
-# one thread a worker when pytest-xdist runs two: the tiny models' steps gain nothing from a second
-workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // workers))
+# One torch thread in this process and in every process the tests start (OMP_NUM_THREADS is
+# inherited): a run holds many processes at once (two pytest-xdist workers, clusters of services),
+# and where each has as many OpenMP threads as the machine has cores, every parallel op waits at
+# its barrier for a thread whose core another process holds. On two cores under a run's load, a
+# service decoded the tiny preset at 5 tokens/s with two threads and at 32 with one.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 # Every service the tests start decodes eager: compiling takes minutes a batch bucket on a fresh
 # machine. tests/system/test_compiled_decode.py compiles once and checks the compiled step's tokens.
