@@ -274,7 +274,7 @@ def test_over_the_admission_bound_a_call_is_refused_with_429_and_async_jobs_wait
     are never refused: they queue and run."""
     url = strict_gateway
     job_ids = []
-    for i in range(4):  # some 8,000 prompt tokens ahead of any new call: seconds of prefill
+    for i in range(8):  # some 18,000 prompt tokens ahead of any new call: seconds of prefill
         # each its own from the first word: prompts that shared one would be mostly cached, and
         # the queue only a few hundred tokens deep
         long_prompt = [{"role": "user", "content": f"{i} " + "Summarise the history of message queues. " * 280}]
