@@ -18,7 +18,7 @@ import pytest
 from common.bus import Bus, KafkaBus, MemoryBus, Record
 from common.claims import ClaimStore
 from common.messages import BadMessage, Envelope, decode
-from tests.support.infra import SESSION_TIMEOUT_MS, require_service
+from tests.support.infra import STOPPED_MEMBER_SESSION_MS, require_service
 
 
 @pytest.fixture(params=["memory", "kafka"])
@@ -170,7 +170,7 @@ def test_a_member_stopped_past_its_session_sees_its_membership_change_and_starts
     is stale) and, rewound, gets each partition again from its committed offset, not from where
     it had read to."""
     bootstrap = require_service("DEEPMESH_KAFKA_BOOTSTRAP")
-    bus = KafkaBus(bootstrap, session_timeout_ms=SESSION_TIMEOUT_MS)
+    bus = KafkaBus(bootstrap, session_timeout_ms=STOPPED_MEMBER_SESSION_MS)
     topic, group = fresh(bus, partitions=2), f"g-{uuid.uuid4().hex[:8]}"
     for i in range(6):
         bus.produce(topic, f"job-{i}", b"x", partition=i % 2)

@@ -15,11 +15,11 @@ import sys
 import time
 
 from common.bus import KafkaBus
-from tests.support.infra import SESSION_TIMEOUT_MS
+from tests.support.infra import STOPPED_MEMBER_SESSION_MS
 
 
 def main(bootstrap: str, topic: str, group: str) -> None:
-    consumer = KafkaBus(bootstrap, session_timeout_ms=SESSION_TIMEOUT_MS).consumer([topic], group)
+    consumer = KafkaBus(bootstrap, session_timeout_ms=STOPPED_MEMBER_SESSION_MS).consumer([topic], group)
     consumer.wait_assigned(timeout=30)
     held: dict[int, list[int]] = {}
     while sum(map(len, held.values())) < 6:
