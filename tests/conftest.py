@@ -24,8 +24,8 @@ from tests.support.parallel import ids_run_once
 # One torch thread in this process and in every process the tests start (OMP_NUM_THREADS is
 # inherited): a run holds many processes at once (two pytest-xdist workers, clusters of services),
 # and where each has as many OpenMP threads as the machine has cores, every parallel op waits at
-# its barrier for a thread whose core another process holds. On two cores under a run's load, a
-# service decoded the tiny preset at 5 tokens/s with two threads and at 32 with one.
+# its barrier for a thread whose core another process holds. On two cores beside a running suite,
+# `deepmesh generate` decoded the tiny preset at 5 tokens/s with two threads and at 32 with one.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
