@@ -11,9 +11,13 @@ import socket
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from kafka.admin import KafkaAdminClient
 
 # How long a consumer the tests kill or stop keeps its partitions before the group moves them: the
 # least scripts/stack's broker allows (group.min.session.timeout.ms), three heartbeats (common/bus.py)
@@ -24,9 +28,10 @@ STOPPED_MEMBER_SESSION_MS = 6_000
 
 
 class BrokerNames:
-    """The topics and consumer groups on the stack's broker when a run starts: at its end, the
-    ones its tests made are deleted, so that runs do not pile them up (a broker restarted after a
-    SIGKILL, as the chaos test does, recovers every partition it holds before it answers)."""
+    """The topics and consumer groups on the stack's broker when a run starts: at its end, those
+    that appeared during the run (its tests', or those of anything else using the stack's broker
+    meanwhile) are deleted, so that runs do not pile them up: a broker restarted after a SIGKILL,
+    as the chaos test does, recovers every partition it holds before it answers."""
 
     def __init__(self, bootstrap: str):
         self.bootstrap = bootstrap
@@ -42,7 +47,7 @@ class BrokerNames:
         except KafkaError:
             return None
 
-    def _admin(self):
+    def _admin(self) -> KafkaAdminClient:
         from kafka.admin import KafkaAdminClient
 
         return KafkaAdminClient(bootstrap_servers=self.bootstrap, client_id="tests-cleanup")
