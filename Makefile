@@ -42,13 +42,20 @@ lint: $(INSTALLED)
 # computations, no services) fill what that leaves idle. Then the tests marked `alone` by
 # themselves: the rest of the system tier (clusters, compiles and restarts that take both cores)
 # and schemathesis's.
-test: lint
-	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 && \
+# DeepInfer's source (and SGLang's), whose plain-torch references the V4.1 tests compare against:
+# fetched once from PyPI, checked against pinned hashes (scripts/fetch-reference)
+REFERENCE := .cache/reference/deepinfer-0.1.0/PKG-INFO
+$(REFERENCE): scripts/fetch-reference
+	scripts/fetch-reference >/dev/null
+	touch $@
+
+test: lint $(REFERENCE)
+	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 DEEPMESH_REQUIRE_REFERENCE=1 && \
 	$(BIN)/pytest -n 2 --dist loadfile -m "not alone" --durations=15 && $(BIN)/pytest -m alone --durations=15
 
 # the unit tier alone: no stack, under 90 s
-test-unit: $(INSTALLED)
-	$(BIN)/pytest tests/unit
+test-unit: $(INSTALLED) $(REFERENCE)
+	DEEPMESH_REQUIRE_REFERENCE=1 $(BIN)/pytest tests/unit
 
 stack-down:
 	scripts/stack down

@@ -112,6 +112,8 @@ class ModelConfig:
     num_nextn_predict_layers: int = 1  # multi-token-prediction modules (`mtp.N.*`), as transformers counts them
     quantization_config: QuantConfig | None = None
 
+    model_type = "deepseek_v4"
+
     @property
     def rope_head_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -133,9 +135,8 @@ class ModelConfig:
         model_type = raw.get("model_type", "deepseek_v4")
         if model_type == "deepseek_v41":
             raise UnsupportedCheckpointError(
-                "model_type 'deepseek_v41' is DeepSeek-V4.1 (DeepInfer's architecture: compressor ratios 0/1/2, "
-                "YOCO cross-layer sharing, Engram embeddings), which this engine does not implement yet; "
-                "it runs DeepSeek-V4 (deepseek_v4) checkpoints"
+                "model_type 'deepseek_v41' is DeepSeek-V4.1: its config is engine/config_v41.py's "
+                "(engine.families.read_config picks the family)"
             )
         if model_type != "deepseek_v4":
             raise UnsupportedCheckpointError(

@@ -16,6 +16,7 @@ import torch
 
 from common.blocks import BLOCK_SIZE
 from engine.config import ModelConfig
+from engine.config_v41 import V41Config
 from engine.errors import InvalidRequestError
 from engine.resident_prefixes import ResidentPrefix, ResidentPrefixes
 from engine.sequence import Sequence
@@ -26,7 +27,7 @@ from engine.state_transfer import SnapshotError, StateSnapshot, layout_id
 class KVManager:
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelConfig | V41Config,
         dtype: torch.dtype,
         device: torch.device,
         *,
@@ -112,10 +113,11 @@ class KVManager:
 
     # -- resident prefixes ----------------------------------------------------------------------
 
-    def resident_prefix(self, namespace: str, prompt: list[int]) -> ResidentPrefix | None:
-        """The longest prefix of the prompt whose state this engine still holds in its own memory,
-        in this namespace, if there is room now to start a sequence from it (`take_resident`)."""
-        entry = self.resident.longest(namespace, prompt, len(prompt))
+    def resident_prefix(self, namespace: str, prompt: list[int], at_most: int) -> ResidentPrefix | None:
+        """The longest prefix of the prompt, of at most `at_most` tokens, whose state this engine still
+        holds in its own memory, in this namespace, if there is room now to start a sequence from it
+        (`take_resident`)."""
+        entry = self.resident.longest(namespace, prompt, at_most)
         if entry is None or entry.last_hidden is None:
             return None
         allocator = self.cache.block_allocator

@@ -20,10 +20,12 @@ import torch
 from engine.checkpoint import load_model, weights_id
 from engine.compiled_decode import CompiledDecode
 from engine.config import ModelConfig
+from engine.config_v41 import V41Config
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.grammar import GrammarCompiler, consume
 from engine.kv_manager import KVManager
 from engine.model import DeepseekV4ForCausalLM
+from engine.model.v41 import DeepseekV41ForCausalLM
 from engine.model_runner import ModelRunner
 from engine.resident_prefixes import ResidentPrefixes
 from engine.sampler import Sampler
@@ -36,7 +38,7 @@ from engine.state_transfer import SnapshotError, StateSnapshot
 class LLMEngine:
     def __init__(
         self,
-        model: DeepseekV4ForCausalLM,
+        model: DeepseekV4ForCausalLM | DeepseekV41ForCausalLM,
         *,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
@@ -64,7 +66,7 @@ class LLMEngine:
         their batch's graph is ready (`wait_compiled` blocks until all are), and always where
         compiling is unavailable. `on_compile_progress(ready, planned)` hears of each graph ready."""
         self.model = model
-        self.config: ModelConfig = model.config
+        self.config: ModelConfig | V41Config = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.max_model_len = min(
@@ -117,9 +119,16 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None, **kwargs
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        prefill_keep_tokens: int | None = None,
+        **kwargs,
     ) -> LLMEngine:
-        model = load_model(path, device=device, dtype=dtype)
+        """`prefill_keep_tokens`: DeepSeek-V4.1's prompt truncation (engine/config_v41.py; 0: off,
+        None: its default); ignored for V4."""
+        model = load_model(path, device=device, dtype=dtype, prefill_keep_tokens=prefill_keep_tokens)
         tokenizer = Path(path) / "tokenizer.json"
         if "grammars" not in kwargs and tokenizer.is_file():
             config = model.config
@@ -199,7 +208,7 @@ class LLMEngine:
 
         The outcome is add_request's, as with import_prefix: the state is that of these tokens."""
         prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
-        entry = self.kv.resident_prefix(sampling_params.prefix_namespace, prompt)
+        entry = self.kv.resident_prefix(sampling_params.prefix_namespace, prompt, self.reusable_prefix(len(prompt)))
         if entry is None:
             return 0
         seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, entry.num_tokens)
@@ -248,6 +257,11 @@ class LLMEngine:
         self.kv.check_snapshot(snapshot)
         prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
         cached = snapshot.num_computed
+        if cached > self.reusable_prefix(len(prompt)):
+            raise SnapshotError(
+                f"a {cached}-token prefix of a {len(prompt)}-token prompt: this model replays at least the "
+                f"prompt's last {len(prompt) - self.reusable_prefix(len(prompt))} tokens"
+            )
         if cached > len(prompt) or (cached == len(prompt) and snapshot.last_hidden is None):
             raise SnapshotError(f"a {cached}-token prefix leaves nothing to compute of a {len(prompt)}-token prompt")
         if list(snapshot.token_ids[:cached]) != prompt[:cached]:
@@ -525,8 +539,18 @@ class LLMEngine:
     def resident_tokens(self, namespace: str, token_ids: SequenceOf[int]) -> int:
         """How many of these tokens the longest prefix this engine holds in its own memory (tier 0)
         in `namespace` covers: what a request starting with them would not compute (0: none)."""
-        entry = self.resident.longest(namespace, token_ids, len(token_ids))
+        entry = self.resident.longest(namespace, token_ids, self.reusable_prefix(len(token_ids)))
         return 0 if entry is None else entry.num_tokens
+
+    def reusable_prefix(self, prompt_len: int) -> int:
+        """The longest prefix of a prompt of this length whose stored state a request may start from.
+
+        All of it for DeepSeek-V4. For V4.1 with prompt truncation, the prompt's last
+        `prefill_keep_tokens` rows are what its YOCO consumer layers compute, and their window must
+        see only those rows: they are always computed, never taken from a stored state, which is
+        what makes a replay from a cached prefix exact (engine/config_v41.py)."""
+        keep = getattr(self.config, "prefill_keep_tokens", 0)
+        return max(0, prompt_len - keep) if keep else prompt_len
 
     def resident_summary(self, limit: int = 256) -> list[tuple[int, str, str]]:
         """The prefixes held in this engine's own memory as a load report lists them: (tokens,

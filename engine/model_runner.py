@@ -16,7 +16,7 @@ import torch
 
 from engine.backends import keep_freed_memory_in_process, select_backend
 from engine.compiled_decode import CompiledDecode, DecodeOutput
-from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
+from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput, ngram_context
 from engine.sampler import Grammars, Sampler
 from engine.sequence import Sequence, TokenLogprobs
 from engine.state_cache import StateCache
@@ -48,6 +48,10 @@ class ModelRunner:
         model.merge_projections()
         self.sampler = Sampler(model.config)
         self.max_num_batched_tokens = max_num_batched_tokens
+        # V4.1's prompt truncation (engine/config_v41.py) and Engram windows; 0 for V4
+        self.keep_tokens = getattr(model.config, "prefill_keep_tokens", 0)
+        self.ngram_context = getattr(model, "ngram_context", 0)
+        compile_decode = compile_decode and not self.ngram_context and not self.keep_tokens
         self.compiled_decode = (
             CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress) if compile_decode else None
         )
@@ -66,12 +70,18 @@ class ModelRunner:
                 [seq.block_table for seq in seqs],
             )
             return decoded.hidden, decoded
-        slices, token_ids, ends = [], [], []
+        slices, token_ids, ends, contexts = [], [], [], []
         for seq, n in zip(seqs, num_tokens, strict=True):
-            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table)))
+            keep_from = max(0, len(seq.prompt_token_ids) - self.keep_tokens) if self.keep_tokens else 0
+            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table), keep_from))
             token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
             ends.append(len(token_ids) - 1)
+            if self.ngram_context:
+                before = seq.tokens_between(max(0, seq.num_computed - self.ngram_context), seq.num_computed)
+                contexts.append(ngram_context(before, token_ids[len(token_ids) - n :], self.ngram_context))
         step = StepInput.of(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
+        if contexts:
+            step.ngram_context = torch.cat(contexts).to(self.device)
         return self.model(step, self.cache)[ends].clone(), None  # each sequence's last token of the step
 
     def sample(
@@ -123,6 +133,9 @@ class ModelRunner:
             chunk = tokens[start : start + self.max_num_batched_tokens]
             step = StepInput.of(
                 torch.tensor(chunk, dtype=torch.long, device=self.device),
-                [SeqSlice(slot, start, len(chunk), blocks)],
+                [SeqSlice(slot, start, len(chunk), blocks)],  # every row: no V4.1 truncation
             )
+            if self.ngram_context:
+                before = tokens[max(0, start - self.ngram_context) : start]
+                step.ngram_context = ngram_context(before, chunk, self.ngram_context).to(self.device)
             yield self.model.compute_logits(self.model(step, self.cache))

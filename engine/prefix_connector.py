@@ -50,14 +50,16 @@ class PrefixConnector:
         prompt: list[int],
         too_slow: Callable[[PrefixMatch], bool] = lambda match: False,
         held: int = 0,
+        at_most: int | None = None,
     ) -> tuple[StateSnapshot | None, PrefixMatch]:
         """The longest stored prefix of a prompt (the whole prompt too: a repeat is answered
         from its last hidden state), loaded, and the match it came from. A prefix that fails to
         load is dropped by the store and the next-longest is tried; one that `too_slow` says
         would take longer to load than to compute is not loaded, nor one no longer than the
-        `held` tokens the engine has in its own memory. (None, match): nothing loaded."""
+        `held` tokens the engine has in its own memory, nor one longer than `at_most` tokens (the
+        engine's `reusable_prefix`). (None, match): nothing loaded."""
         namespace, ttl = self.namespace(tenant), self.ttl(tenant, retention_class)
-        below = len(prompt) + 1
+        below = min(len(prompt), len(prompt) if at_most is None else at_most) + 1
         match = PrefixMatch()
         for _ in range(LOAD_ATTEMPTS):
             try:

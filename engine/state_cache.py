@@ -28,6 +28,7 @@ import torch
 
 from common.blocks import BLOCK_SIZE
 from engine.config import CSA, SLIDING, ModelConfig
+from engine.config_v41 import V41Config
 
 
 class OutOfBlocksError(RuntimeError):
@@ -93,8 +94,8 @@ class CompressorState:
     dim: int
     overlap: bool
     entries: torch.Tensor  # [num_blocks + 1, BLOCK_SIZE // rate, dim]
-    pending_kv: torch.Tensor  # [max_seqs + 1, rate, width]
-    pending_gate: torch.Tensor  # [max_seqs + 1, rate, width], position bias already added
+    pending_kv: torch.Tensor | None  # [max_seqs + 1, rate, width]; None: no open window to keep
+    pending_gate: torch.Tensor | None  # [max_seqs + 1, rate, width], position bias already added
     prev_kv: torch.Tensor | None  # [max_seqs + 1, rate, dim]: first series of the last closed window (CSA)
     prev_gate: torch.Tensor | None
 
@@ -111,31 +112,40 @@ class CompressorState:
         self.entries[block_ids, entry_ids % self.entries_per_block] = entries
 
 
-def _compressor_shapes(config: ModelConfig) -> list[tuple[int, str, int, int, bool]]:
-    """(layer, role, rate, dim, overlap) for every compressor in the model, in block-row order."""
+def _compressor_shapes(config: ModelConfig | V41Config) -> list[tuple[int, str, int, int, bool, bool]]:
+    """(layer, role, rate, dim, overlap, pending) for every compressor in the model, in block-row
+    order; `pending`: it keeps the projections of its open window per sequence."""
     shapes = []
+    if isinstance(config, V41Config):
+        # only source layers hold state; the others read theirs. Index keys come from the entries.
+        for layer, rate in enumerate(config.compress_ratios):
+            if config.owns_compressor(layer):
+                shapes.append((layer, "compressor", rate, config.head_dim, False, rate > 1))
+            if config.owns_index_keys(layer):
+                shapes.append((layer, "indexer", rate, config.index_head_dim, False, False))
+        return shapes
     for layer, layer_type in enumerate(config.layer_types):
         if layer_type == SLIDING:
             continue
         rate = config.compress_rate(layer)
         overlap = layer_type == CSA
-        shapes.append((layer, "compressor", rate, config.head_dim, overlap))
+        shapes.append((layer, "compressor", rate, config.head_dim, overlap, True))
         if overlap:
-            shapes.append((layer, "indexer", rate, config.index_head_dim, True))
+            shapes.append((layer, "indexer", rate, config.index_head_dim, True, True))
     return shapes
 
 
 class StateLayout:
     """Sizes of the state for a config, and the theoretical minimum to compare against."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig | V41Config, dtype: torch.dtype):
         self.config = config
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.compressors = _compressor_shapes(config)
-        self.block_numel = sum((BLOCK_SIZE // rate) * dim for _, _, rate, dim, _ in self.compressors)
+        self.block_numel = sum((BLOCK_SIZE // rate) * dim for _, _, rate, dim, _, _ in self.compressors)
         window = config.num_hidden_layers * config.sliding_window * config.head_dim
-        pending = sum(2 * rate * (2 * dim if ov else dim) for _, _, rate, dim, ov in self.compressors)
-        prev = sum(2 * rate * dim for _, _, rate, dim, ov in self.compressors if ov)
+        pending = sum(2 * rate * (2 * dim if ov else dim) for _, _, rate, dim, ov, kept in self.compressors if kept)
+        prev = sum(2 * rate * dim for _, _, rate, dim, ov, _ in self.compressors if ov)
         self.slot_numel = window + pending + prev
 
     @property
@@ -162,10 +172,10 @@ class StateLayout:
         cfg = self.config
         window = cfg.num_hidden_layers * min(num_tokens, cfg.sliding_window - 1) * cfg.head_dim
         total = window
-        for _, _, rate, dim, overlap in self.compressors:
+        for _, _, rate, dim, overlap, pending in self.compressors:
             total += (num_tokens // rate) * dim
             width = 2 * dim if overlap else dim
-            total += 2 * min(num_tokens, rate - 1) * width
+            total += 2 * min(num_tokens, rate - 1) * width if pending else 0
             if overlap and num_tokens >= rate:
                 total += 2 * rate * dim
         return total * self.element_size
@@ -179,7 +189,12 @@ class StateCache:
     """
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, max_seqs: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: ModelConfig | V41Config,
+        num_blocks: int,
+        max_seqs: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
     ):
         self.config = config
         self.layout = StateLayout(config, dtype)
@@ -199,15 +214,15 @@ class StateCache:
         self.compressors: dict[int, CompressorState] = {}
         self.indexers: dict[int, CompressorState] = {}
         self._entries: list[torch.Tensor] = []  # in block-row order
-        for layer, role, rate, dim, overlap in self.layout.compressors:
+        for layer, role, rate, dim, overlap, pending in self.layout.compressors:
             width = 2 * dim if overlap else dim
             state = CompressorState(
                 rate=rate,
                 dim=dim,
                 overlap=overlap,
                 entries=zeros(num_blocks + 1, BLOCK_SIZE // rate, dim),
-                pending_kv=zeros(slots, rate, width),
-                pending_gate=zeros(slots, rate, width),
+                pending_kv=zeros(slots, rate, width) if pending else None,
+                pending_gate=zeros(slots, rate, width) if pending else None,
                 prev_kv=zeros(slots, rate, dim) if overlap else None,
                 prev_gate=zeros(slots, rate, dim) if overlap else None,
             )
@@ -249,8 +264,9 @@ class StateCache:
         pools = {}
         for role, states in (("compressor", self.compressors), ("indexer", self.indexers)):
             for layer, state in states.items():
-                pools[f"{layer}.{role}.pending_kv"] = state.pending_kv
-                pools[f"{layer}.{role}.pending_gate"] = state.pending_gate
+                if state.pending_kv is not None:
+                    pools[f"{layer}.{role}.pending_kv"] = state.pending_kv
+                    pools[f"{layer}.{role}.pending_gate"] = state.pending_gate
                 if state.overlap:
                     pools[f"{layer}.{role}.prev_kv"] = state.prev_kv
                     pools[f"{layer}.{role}.prev_gate"] = state.prev_gate

@@ -19,6 +19,7 @@ from safetensors.torch import load, save
 
 from common.blocks import BLOCK_SIZE
 from engine.config import ModelConfig
+from engine.config_v41 import V41Config
 from engine.errors import EngineError
 
 FORMAT_VERSION = 2  # 2: the last computed token's hidden state
@@ -28,19 +29,19 @@ class SnapshotError(EngineError):
     """A snapshot this engine cannot use: unreadable, or of another layout."""
 
 
-def layout_id(config: ModelConfig, dtype: torch.dtype, weights: str = "") -> str:
+def layout_id(config: ModelConfig | V41Config, dtype: torch.dtype, weights: str = "") -> str:
     """Names everything a snapshot's bytes depend on (format, config, dtype, the checkpoint's
-    weights); equal ids mean interchangeable state."""
-    described = json.dumps(
-        {
-            "format": FORMAT_VERSION,
-            "block": BLOCK_SIZE,
-            "dtype": str(dtype),
-            "config": config.to_dict(),
-            "weights": weights,
-        },
-        sort_keys=True,
-    )
+    weights, V4.1's prompt truncation); equal ids mean interchangeable state."""
+    described = {
+        "format": FORMAT_VERSION,
+        "block": BLOCK_SIZE,
+        "dtype": str(dtype),
+        "config": config.to_dict(),
+        "weights": weights,
+    }
+    if keep := getattr(config, "prefill_keep_tokens", 0):
+        described["prefill_keep_tokens"] = keep
+    described = json.dumps(described, sort_keys=True)
     return f"v{FORMAT_VERSION}-{hashlib.sha256(described.encode()).hexdigest()[:16]}"
 
 

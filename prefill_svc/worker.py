@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from common import metrics
 from common.api import error_body
+from common.blocks import BLOCK_SIZE
 from common.bus import Bus, Record
 from common.cache_entries import PrefixMatch, Stored
 from common.messages import (
@@ -185,7 +186,13 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         with within(job.span, job_id):
             held = job.resident_tokens
             snapshot, match = self.cache.fetch_prefix(
-                job_id, payload.tenant, payload.retention, prompt, lambda m: self._too_slow_to_load(m, held), held
+                job_id,
+                payload.tenant,
+                payload.retention,
+                prompt,
+                lambda m: self._too_slow_to_load(m, held),
+                held,
+                self.engine.reusable_prefix(len(prompt)),
             )
         if snapshot is not None:  # what routers weigh a load from the cache service by
             self.load_speed.observe(snapshot.num_computed / max(time.perf_counter() - started, 1e-6))
@@ -221,7 +228,8 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         """Add a job to the engine, from the longest prefix of its prompt at hand: loaded from the
         cache service, or held in the engine's own memory. Returns how many prompt tokens that
         saved (0: a full prefill) and where they came from (hit, resident, or miss)."""
-        anchors = anchor_positions(len(prompt), fetched.match.shared_tokens, self.anchor_interval)
+        reusable = self.engine.reusable_prefix(len(prompt))
+        anchors = anchor_positions(len(prompt), fetched.match.shared_tokens, self.anchor_interval, reusable)
         if fetched.snapshot is not None:
             try:
                 if self.engine.import_prefix(job_id, fetched.snapshot, prompt, params, anchors):
@@ -396,10 +404,14 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         self.hop(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=result.model_dump()), span)
 
 
-def anchor_positions(prompt_len: int, shared_tokens: int, interval: int) -> list[int]:
+def anchor_positions(prompt_len: int, shared_tokens: int, interval: int, reusable: int | None = None) -> list[int]:
     """Where inside a prompt to store its state: every `interval` tokens, and the end of the
     blocks it shares with prompts stored before it (the engine skips those inside the prefix
-    it starts from)."""
+    it starts from). For a model that always computes a prompt's last tokens itself (V4.1's
+    bounded replay: only the first `reusable` tokens of a prompt may come from stored state),
+    also the last block boundary a repeat of this prompt may start from."""
     positions = set(range(interval, prompt_len, interval)) if interval > 0 else set()
     positions.add(shared_tokens)
+    if reusable is not None and reusable < prompt_len:
+        positions.add(reusable // BLOCK_SIZE * BLOCK_SIZE)
     return sorted(p for p in positions if 0 < p < prompt_len)

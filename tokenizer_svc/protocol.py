@@ -48,21 +48,25 @@ class Codec:
         stop_ids: set[int],
         add_bos: bool = False,
         default_thinking: bool = False,
+        model_type: str = "deepseek_v4",
     ):
         """`add_bos`: the tokenizer starts a raw text with its BOS token (Completions' prompts;
         a chat template writes its own). `default_thinking`: whether a request that does not say
         reasons before its answer (clients that know nothing of reasoning would otherwise see a
-        small max_tokens spent on it and an empty answer)."""
+        small max_tokens spent on it and an empty answer). `model_type`: the checkpoint's, which picks
+        the prompt encoding whatever name the model is served under (V4.1 writes `<｜System｜>`
+        and a reasoning-effort line V4 does not)."""
         self.tokenizer = recipe.Tokenizer.from_file(str(tokenizer_file))
         self.decoder = Tokenizer.from_file(str(tokenizer_file))  # bytes of tokens: see OutputStream.tokens
-        self.encoding = recipe.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
+        v41 = model_type == "deepseek_v41"
+        encoding = recipe.DeepseekV41Encoding() if v41 else recipe.DeepseekV4Encoding()
+        version = recipe.ModelVersion.DeepseekV41Flash if v41 else recipe.ModelVersion.DeepseekV4Pro
+        self.encoding = encoding.with_tokenizer(self.tokenizer)
         options = recipe.ConversionOptions().with_default_thinking_mode(default_thinking)
         for name in served_models:
-            options = options.with_model_alias(name, recipe.ModelVersion.DeepseekV4Pro)
+            options = options.with_model_alias(name, version)
         # accept only the names this deployment serves
-        self.options = options.with_model_versions_by_name(
-            {name: recipe.ModelVersion.DeepseekV4Pro for name in served_models}
-        )
+        self.options = options.with_model_versions_by_name(dict.fromkeys(served_models, version))
         self.served_models = list(served_models)
         self.context_limit = context_limit
         self.stop_ids = set(stop_ids)
@@ -75,9 +79,9 @@ class Codec:
     @classmethod
     def for_model(cls, model_path: str | Path, served_model: str, default_thinking: bool = False) -> Codec:
         """A codec for a checkpoint directory: its tokenizer, context length and EOS tokens."""
-        from engine.config import ModelConfig
+        from engine.families import read_config
 
-        config = ModelConfig.from_pretrained(model_path)
+        config = read_config(model_path)
         tokenizer_config = Path(model_path) / "tokenizer_config.json"
         settings = json.loads(tokenizer_config.read_text()) if tokenizer_config.exists() else {}
         return cls(
@@ -87,6 +91,7 @@ class Codec:
             stop_ids=set(config.eos_token_ids),
             add_bos=settings.get("add_bos_token") is True,
             default_thinking=default_thinking,
+            model_type=config.model_type,
         )
 
     def convert(self, endpoint: str, body: dict[str, Any] | bytes | str) -> tuple[Any, str, Extras]:

@@ -17,7 +17,9 @@ from engine.checkpoint.loader import Piece, WeightPlan, parameter_dtype, plan_we
 from engine.checkpoint.safetensors_files import CheckpointFiles, StoredTensor
 from engine.checkpoint.weight_names import EXPERT_PARAMS
 from engine.config import ModelConfig
+from engine.config_v41 import V41Config
 from engine.errors import UnsupportedCheckpointError
+from engine.families import read_config
 from engine.state_cache import StateLayout
 
 _SHORT_DTYPES = {
@@ -35,15 +37,16 @@ _SHORT_DTYPES = {
 # tensor groups, first match wins: (label, test on the engine name)
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("multi-token prediction", ("mtp.",)),
-    ("embedding", ("embed_tokens",)),
-    ("output head", ("lm_head",)),
+    ("embedding", ("embed_tokens", "embed.weight")),
+    ("output head", ("lm_head", "head.weight")),
+    ("Engram", (".engram.",)),
     ("routed experts", EXPERT_PARAMS),
     ("shared experts", (".shared_experts.",)),
-    ("router", (".mlp.gate.",)),
-    ("compressors, indexer", (".compressor.",)),
-    ("hyper-connections", ("attn_hc.", "ffn_hc.", "hc_head.")),
+    ("router", (".mlp.gate.", ".ffn.gate.")),
+    ("compressors, indexer", (".compressor.", ".indexer.")),
+    ("hyper-connections", ("attn_hc.", "ffn_hc.", "hc_head.", ".hc_attn_", ".hc_ffn_")),
     ("norms", ("norm.weight", "layernorm.weight")),
-    ("attention", (".self_attn.",)),
+    ("attention", (".self_attn.", ".attn.")),
 )
 
 
@@ -65,7 +68,7 @@ class CheckpointReport:
     stored_dtypes: Counter  # short dtype name -> tensors
     servable: bool
     reason: str = ""  # why not, when not servable
-    config: ModelConfig | None = None
+    config: ModelConfig | V41Config | None = None
     names: str = ""  # which naming the tensors use
     groups: dict[str, TensorGroup] = field(default_factory=dict)
     total_parameters: int = 0  # the main model (MTP modules apart)
@@ -121,7 +124,7 @@ def inspect_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint
         servable=False,
     )
     try:
-        report.config = config = ModelConfig.from_pretrained(path)
+        report.config = config = read_config(path)
         report.loaded_dtype = resolve_dtype(config, dtype)
         plan = plan_weights(files, config)
     except UnsupportedCheckpointError as err:
@@ -135,7 +138,7 @@ def inspect_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint
     expected = plan.expected
     for name, meta in expected.items():
         group = groups[_group(name)]
-        loaded = parameter_dtype(name, meta, report.loaded_dtype)
+        loaded = parameter_dtype(name, meta, report.loaded_dtype, plan.model)
         group.parameters += meta.numel()
         group.loaded_bytes += meta.numel() * loaded.itemsize
         group.loaded_as.add(_SHORT_DTYPES.get(loaded, str(loaded)))
@@ -162,7 +165,9 @@ def _human(count: float, unit: str = "") -> str:
     return f"{count:.0f} {unit}".rstrip()
 
 
-def _layer_summary(config: ModelConfig) -> str:
+def _layer_summary(config: ModelConfig | V41Config) -> str:
+    if isinstance(config, V41Config):
+        return _layer_plan_v41(config)
     short = {
         "sliding_attention": "sliding",
         "compressed_sparse_attention": "CSA",
@@ -175,12 +180,36 @@ def _layer_summary(config: ModelConfig) -> str:
     return f"{config.num_hidden_layers} layers ({attention}; {routers})"
 
 
+def _layer_plan_v41(config: V41Config) -> str:
+    """DeepSeek-V4.1's layer plan: ratios, sharing, YOCO, candidates and Engram."""
+    ratios = Counter(config.compress_ratios)
+    kinds = ", ".join(f"{ratios[r]} ratio {r}" for r in (0, 2, 1) if ratios[r])
+    plan = [f"{config.num_hidden_layers} layers ({kinds}; every layer MoE)"]
+    plan.append(f"KV sources {config.kv_source_layer_ids}, index sources {config.index_source_layer_ids}")
+    if config.candidate_source is not None:
+        plan.append(
+            f"candidate blocks from layer {config.candidate_source} "
+            f"({config.candidate_topk_blocks} x {config.candidate_block_size} entries)"
+        )
+    boundary = config.yoco_boundary
+    if boundary < config.num_hidden_layers:
+        keep = config.prefill_keep_tokens
+        truncation = f"prompts keep their last {keep} rows there" if keep else "prompt truncation off"
+        plan.append(f"YOCO consumers from layer {boundary} ({truncation})")
+    if config.engram_layer_ids:
+        sizes = f"{config.engram_ngram_sizes[0]}..{config.engram_ngram_sizes[-1]}"
+        plan.append(f"Engram on layers {config.engram_layer_ids} (n-grams {sizes}, {config.engram_n_heads} heads)")
+    plan.append("shifted hyper-connections" if config.hc_shifted else "hyper-connections")
+    return ";\n                ".join(plan)
+
+
 def render(report: CheckpointReport) -> str:
     lines = [f"checkpoint      {report.path}"]
     lines.append(f"files           {report.files} safetensors file(s), {_human(report.bytes_on_disk, 'B')} on disk")
     config = report.config
     if config is not None:
-        lines.append(f"architecture    DeepSeek-V4 (deepseek_v4): {_layer_summary(config)}")
+        family = "DeepSeek-V4.1 (deepseek_v41)" if isinstance(config, V41Config) else "DeepSeek-V4 (deepseek_v4)"
+        lines.append(f"architecture    {family}: {_layer_summary(config)}")
         lines.append(
             f"                hidden {config.hidden_size}, {config.num_attention_heads} heads of {config.head_dim}, "
             f"window {config.sliding_window}, {config.n_routed_experts} routed experts "

@@ -28,15 +28,25 @@ from engine.checkpoint.quant import (
     fp8_scale_shape,
 )
 from engine.checkpoint.safetensors_files import CheckpointFiles, StoredTensor, checkpoint_files
-from engine.checkpoint.weight_names import EXPERT_PARAMS, EXPERT_PARTS, Target, canonical_name, deepseek_expert_name
-from engine.config import ModelConfig, QuantConfig
+from engine.checkpoint.weight_names import (
+    EXPERT_PARAMS,
+    EXPERT_PARTS,
+    Target,
+    canonical_name,
+    canonical_name_v41,
+    deepseek_expert_name,
+)
+from engine.config import QuantConfig
+from engine.config_v41 import V41Config
 from engine.errors import UnsupportedCheckpointError
-from engine.model import FP32_PARAMETER_SUFFIXES, DeepseekV4ForCausalLM
+from engine.families import AnyConfig, build_model, fp32_parameter_suffixes, read_config
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP4_STORAGE = (torch.int8, torch.uint8)
+ENGRAM_TABLE = "engram.embed.weight"  # kept as stored (memory-mapped), looked up row by row
+ENGRAM_SCALE_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -62,13 +72,13 @@ class Piece:
 class WeightPlan:
     """Which stored tensors make each parameter of the model; built and checked from headers only."""
 
-    model: DeepseekV4ForCausalLM  # on the meta device
+    model: torch.nn.Module  # on the meta device
     expected: dict[str, torch.Tensor]  # its state dict: names, shapes and dtypes of what to build
     pieces: dict[str, list[Piece]]  # parameter name -> its pieces (several for per-expert tensors)
     unused: list[str]  # stored names the engine has no place for
 
 
-def resolve_dtype(config: ModelConfig, dtype: torch.dtype | str | None) -> torch.dtype:
+def resolve_dtype(config: AnyConfig, dtype: torch.dtype | str | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = (dtype or config.torch_dtype or "float32").replace("torch.", "")
@@ -93,13 +103,14 @@ def _find_scales(files: CheckpointFiles) -> dict[str, StoredTensor]:
     return scales
 
 
-def plan_weights(files: CheckpointFiles, config: ModelConfig) -> WeightPlan:
+def plan_weights(files: CheckpointFiles, config: AnyConfig) -> WeightPlan:
     scales = _find_scales(files)
     scale_names = {scale.name for scale in scales.values()}
-    targets = {name: canonical_name(name) for name in files.tensors if name not in scale_names}
+    canonical = canonical_name_v41 if isinstance(config, V41Config) else canonical_name
+    targets = {name: canonical(name) for name in files.tensors if name not in scale_names}
     has_mtp = any(target is not None and target.name.startswith("mtp.") for target in targets.values())
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, config.num_nextn_predict_layers if has_mtp else 0)
+        model = build_model(config, files.path, config.num_nextn_predict_layers if has_mtp else 0)
     expected = model.state_dict()
 
     pieces: dict[str, list[Piece]] = defaultdict(list)
@@ -126,7 +137,7 @@ def plan_weights(files: CheckpointFiles, config: ModelConfig) -> WeightPlan:
     return WeightPlan(model, expected, dict(pieces), sorted(unused))
 
 
-def _check_parameter(name: str, meta: torch.Tensor, pieces: list[Piece], config: ModelConfig) -> list[str]:
+def _check_parameter(name: str, meta: torch.Tensor, pieces: list[Piece], config: AnyConfig) -> list[str]:
     """Checks every piece of one parameter against it; returns the names of missing pieces."""
     if not pieces:
         return [name]
@@ -162,6 +173,9 @@ def _check_piece(piece: Piece, shape: tuple[int, ...], dtype: torch.dtype, quant
     stored, scale = piece.tensor, piece.scale
     where = stored.where()
     is_expert = piece.target.name.endswith(EXPERT_PARAMS)
+    if piece.target.name.endswith(ENGRAM_TABLE):
+        _check_engram_table(piece, shape)
+        return
     if stored.dtype == FP8_DTYPE or (stored.dtype in FP4_STORAGE and dtype.is_floating_point):
         kind = "FP8" if stored.dtype == FP8_DTYPE else "FP4 (packed int8)"
         if quant is None:
@@ -195,12 +209,32 @@ def _check_piece(piece: Piece, shape: tuple[int, ...], dtype: torch.dtype, quant
         )
 
 
-def parameter_dtype(name: str, meta: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+def _check_engram_table(piece: Piece, shape: tuple[int, ...]) -> None:
+    """An Engram table: [rows, dim] floats, or FP8 with one scale per row and 32 columns."""
+    stored, scale = piece.tensor, piece.scale
+    if stored.shape != shape:
+        raise UnsupportedCheckpointError(
+            f"{stored.where()} has shape {list(stored.shape)}; config.json makes it {list(shape)}"
+        )
+    if stored.dtype == FP8_DTYPE:
+        wanted = (shape[0], -(-shape[1] // ENGRAM_SCALE_GROUP))
+        if scale is None or scale.dtype not in SCALE_DTYPES or scale.shape != wanted:
+            got = "none" if scale is None else f"{scale.dtype} {list(scale.shape)}"
+            raise UnsupportedCheckpointError(
+                f"{stored.where()} is FP8: needs a scale of shape {list(wanted)}, has {got}"
+            )
+    elif not stored.dtype.is_floating_point or scale is not None:
+        raise UnsupportedCheckpointError(
+            f"{stored.where()} is {stored.dtype}: an Engram table is FP8 with scales or floats"
+        )
+
+
+def parameter_dtype(name: str, meta: torch.Tensor, dtype: torch.dtype, model: torch.nn.Module) -> torch.dtype:
     """What a parameter is loaded as: the load dtype, but fp32 where the reference keeps it and
     integers (the hash-routing table) as they are."""
     if not meta.dtype.is_floating_point:
         return meta.dtype
-    return torch.float32 if name.endswith(FP32_PARAMETER_SUFFIXES) else dtype
+    return torch.float32 if name.endswith(fp32_parameter_suffixes(model)) else dtype
 
 
 def _read_piece(
@@ -210,6 +244,8 @@ def _read_piece(
     if piece.scale is None:
         return values.to(dtype)
     scale = files.read(piece.scale).to(device)
+    if piece.target.name.endswith(ENGRAM_TABLE):  # FP8 with per-row scales: dequantized as looked up
+        return values
     if piece.quantization == "fp8":
         return dequantize_fp8(values, scale, quant.weight_block_size, dtype)
     return dequantize_fp4(values, scale, dtype)
@@ -218,13 +254,16 @@ def _read_piece(
 def _build_parameter(
     files: CheckpointFiles,
     name: str,
-    meta: torch.Tensor,
     pieces: list[Piece],
+    plan: WeightPlan,
     dtype: torch.dtype,
     device: torch.device,
     quant: QuantConfig | None,
 ) -> torch.Tensor:
-    dtype = parameter_dtype(name, meta, dtype)
+    meta = plan.expected[name]
+    dtype = parameter_dtype(name, meta, dtype, plan.model)
+    if name.endswith(ENGRAM_TABLE) and pieces[0].tensor.dtype == FP8_DTYPE and device.type == "cpu":
+        return files.mapped(pieces[0].tensor)  # ~200 GB at full size: read row by row where it lies
     if len(pieces) == 1 and pieces[0].target.expert is None:
         return _read_piece(files, pieces[0], dtype, device, quant)
     out = torch.empty(meta.shape, dtype=dtype, device=device)
@@ -236,7 +275,7 @@ def _build_parameter(
     return out
 
 
-def _check_values(name: str, tensor: torch.Tensor, config: ModelConfig) -> None:
+def _check_values(name: str, tensor: torch.Tensor, config: AnyConfig) -> None:
     if name.endswith("tid2eid") and tensor.numel():
         low, high = tensor.min().item(), tensor.max().item()
         if low < 0 or high >= config.n_routed_experts:
@@ -246,21 +285,36 @@ def _check_values(name: str, tensor: torch.Tensor, config: ModelConfig) -> None:
 
 
 def load_model(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
-) -> DeepseekV4ForCausalLM:
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str | None = None,
+    prefill_keep_tokens: int | None = None,
+) -> torch.nn.Module:
+    """The checkpoint's model, of the family its config.json names (engine/families.py).
+    `prefill_keep_tokens`: V4.1's prompt truncation (config_v41.py), its default if None."""
     path = Path(path)
-    config = ModelConfig.from_pretrained(path)
+    config = read_config(path, prefill_keep_tokens)
     dtype = resolve_dtype(config, dtype)
     device = torch.device(device)
+    engram_scales = {}
     with CheckpointFiles(path) as files:
         plan = plan_weights(files, config)
         weights = {}
-        for name, meta in plan.expected.items():
+        for name in plan.expected:
             pieces = plan.pieces[name]
-            weights[name] = _build_parameter(files, name, meta, pieces, dtype, device, config.quantization_config)
+            weights[name] = _build_parameter(files, name, pieces, plan, dtype, device, config.quantization_config)
             _check_values(name, weights[name], config)
+            if name.endswith(ENGRAM_TABLE) and pieces[0].scale is not None:
+                scale = pieces[0].scale
+                engram_scales[name] = files.mapped(scale) if device.type == "cpu" else files.read(scale).to(device)
     model = plan.model
     model.load_state_dict(weights, assign=True)
+    for name, scale in engram_scales.items():
+        model.get_submodule(name.removesuffix(".weight")).scale = scale
+    for module in model.modules():
+        for buffer_name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.device != device:  # computed at build (V4.1's Engram hash tables)
+                setattr(module, buffer_name, buffer.to(device))
     if plan.unused or len(model.mtp):
         logger.warning("%s: %s", path, unused_summary(plan))
     return model.eval()

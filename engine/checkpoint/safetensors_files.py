@@ -165,5 +165,15 @@ class CheckpointFiles:
             raise UnsupportedCheckpointError(f"{tensor.where()}: file ended early (truncated shard?)")
         return out
 
+    def mapped(self, tensor: StoredTensor) -> torch.Tensor:
+        """The tensor where it lies in its file, memory-mapped copy-on-write: pages are read when
+        touched, so a table far larger than memory costs only the rows looked up."""
+        element = torch.empty((), dtype=tensor.dtype).element_size()
+        if tensor.nbytes == 0 or tensor.offset % element:
+            return self.read(tensor)
+        size = tensor.file.stat().st_size
+        whole = torch.from_file(str(tensor.file), shared=False, size=size, dtype=torch.uint8)
+        return whole[tensor.offset : tensor.offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+
     def bytes_on_disk(self) -> int:
         return sum(file.stat().st_size for file in self.files)

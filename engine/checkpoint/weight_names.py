@@ -74,7 +74,8 @@ MTP_NAMES: tuple[tuple[str, str], ...] = (
 )
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
-EXPERT_PARAMS = (f".mlp.experts.{GATE_UP}", f".mlp.experts.{DOWN}")  # the fused [E, ...] parameters
+# the fused [E, ...] parameters (V4 engine names, then V4.1's)
+EXPERT_PARAMS = (f".mlp.experts.{GATE_UP}", f".mlp.experts.{DOWN}", f".ffn.experts.{GATE_UP}", f".ffn.experts.{DOWN}")
 # DeepSeek's per-expert projections: w1 (gate) and w3 (up) are the two halves of gate_up_proj
 EXPERT_PARTS = {"w1": (GATE_UP, 0), "w3": (GATE_UP, 1), "w2": (DOWN, None)}
 
@@ -158,5 +159,22 @@ def deepseek_name(engine_name: str) -> str:
 
 def deepseek_expert_name(engine_name: str, expert: int, part: str) -> str:
     """`model.layers.3.mlp.experts.gate_up_proj`, 5, "w1" -> `layers.3.ffn.experts.5.w1.weight`."""
-    layer = engine_name.removeprefix("model.").rsplit(".mlp.experts.", 1)[0]
+    layer = re.split(r"\.(?:mlp|ffn)\.experts\.", engine_name.removeprefix("model."))[0]
     return f"{layer}.ffn.experts.{expert}.{part}.weight"
+
+
+_V41_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def canonical_name_v41(name: str) -> Target | None:
+    """The V4.1 model's parameter for a checkpoint tensor. The model's modules carry the checkpoint's
+    own names (DeepInfer's and SGLang's loaders read the same ones), so only the optional `model.`
+    prefix goes and per-expert tensors find their row of the fused experts. DSpark's draft blocks
+    (`mtp.N.*`) and the vision tower are not part of the text model: None."""
+    bare = name.removeprefix("model.")
+    if bare.startswith(("mtp.", "vision.", "aligner.", "image_")):
+        return None
+    if expert := _V41_EXPERT.match(bare):
+        part, half = EXPERT_PARTS[expert.group(3)]
+        return Target(f"{expert.group(1)}.{part}", int(expert.group(2)), half)
+    return Target(bare)

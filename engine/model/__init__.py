@@ -3,7 +3,7 @@
 `v4` is the DeepSeek-V4 family; `step_input` is what every family's forward pass takes.
 """
 
-from engine.model.step_input import SeqSlice, StepInput
+from engine.model.step_input import SeqSlice, StepInput, ngram_context
 from engine.model.v4 import (
     FP32_PARAMETER_SUFFIXES,
     DeepseekV4ForCausalLM,
@@ -26,4 +26,5 @@ __all__ = [
     "Router",
     "SeqSlice",
     "StepInput",
+    "ngram_context",
 ]

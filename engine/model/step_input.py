@@ -16,6 +16,8 @@ class SeqSlice:
     start: int
     length: int
     block_table: list[int]
+    # DeepSeek-V4.1's prompt truncation: positions before this skip the YOCO consumer layers
+    keep_from: int = 0
 
 
 @dataclass
@@ -28,6 +30,12 @@ class StepInput:
     slices: list[SeqSlice] = field(default_factory=list)  # prefill
     slots: torch.Tensor | None = None  # [B] (decode)
     block_tables: torch.Tensor | None = None  # [B, max_blocks] (decode): padded with any block
+    # [T, n]: the n token ids before each token, nearest first, -1 before the sequence's start
+    # (DeepSeek-V4.1's Engram n-gram windows; None for a model without them)
+    ngram_context: torch.Tensor | None = None
+    # [B] (decode): a prompt's one-token chunk may sit within a window of its truncation point,
+    # where the consumer layers' window must not reach before it (None: nothing to hide)
+    keep_from: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -44,4 +52,13 @@ class StepInput:
             table = [s.block_table + [0] * (width - len(s.block_table)) for s in slices]
             step.slots = torch.tensor([s.slot for s in slices], dtype=torch.long, device=device)
             step.block_tables = torch.tensor(table, dtype=torch.long, device=device)
+            if any(s.keep_from for s in slices):
+                step.keep_from = torch.tensor([s.keep_from for s in slices], dtype=torch.long, device=device)
         return step
+
+
+def ngram_context(before: list[int], chunk: list[int], n: int) -> torch.Tensor:
+    """[len(chunk), n]: for each token of `chunk`, the n token ids before it, nearest first, -1
+    before the sequence's start; `before` holds the (up to n) tokens that precede the chunk."""
+    tokens = [-1] * (n - len(before)) + list(before) + list(chunk)
+    return torch.tensor([tokens[i + n - 1 :: -1][:n] for i in range(len(chunk))])

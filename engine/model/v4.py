@@ -199,6 +199,24 @@ def gather_entries(state: CompressorState, block_table: torch.Tensor, count: int
     return state.entries[block_table[:n_blocks]].flatten(0, 1)[:count]
 
 
+def select_topk(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` best entries per row of `scores` [..., n], best first.
+
+    ReLU makes exact ties common (an entry every head scores negative gets exactly 0),
+    and `torch.topk` breaks ties differently for different tensor lengths. Ties go to the
+    earlier entry, so the choice never depends on chunking, padding or batching: cached,
+    chunked and batched runs all select the same entries. That is a stable descending
+    sort's first `count`; a top-k over keys that no two entries share is the same choice
+    at a fraction of the sort's cost: the score's bits turned into an integer of the same
+    order, then the entry's place from the end.
+    """
+    length = scores.shape[-1]
+    bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)  # -0.0 becomes +0.0: the two tie
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats count down
+    later = torch.arange(length - 1, -1, -1, device=scores.device)
+    return (ordered * (1 << 32) + later).topk(count, dim=-1).indices
+
+
 class IndexerScorer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -223,21 +241,7 @@ class Indexer(Compressor):
         return apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def select(self, scores: torch.Tensor, count: int) -> torch.Tensor:
-        """Indices of the `count` best entries per query, best first.
-
-        ReLU makes exact ties common (an entry every head scores negative gets exactly 0),
-        and `torch.topk` breaks ties differently for different tensor lengths. Ties go to the
-        earlier entry, so the choice never depends on chunking, padding or batching: cached,
-        chunked and batched runs all select the same entries. That is a stable descending
-        sort's first `count`; a top-k over keys that no two entries share is the same choice
-        at a fraction of the sort's cost: the score's bits turned into an integer of the same
-        order, then the entry's place from the end.
-        """
-        length = scores.shape[-1]
-        bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)  # -0.0 becomes +0.0: the two tie
-        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats count down
-        later = torch.arange(length - 1, -1, -1, device=scores.device)
-        return (ordered * (1 << 32) + later).topk(count, dim=-1).indices
+        return select_topk(scores, count)
 
     def scores(self, q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q [..., H, dI], keys [..., T, dI], x [..., hidden] -> [..., T]."""
@@ -483,9 +487,13 @@ class Router(nn.Module):
             indices = self.tid2eid[input_ids].long()
         else:
             indices = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, indices)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return indices, weights * self.scaling
+        return indices, routing_weights(scores, indices, self.scaling)
+
+
+def routing_weights(scores: torch.Tensor, indices: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The chosen experts' weights: their scores normalised to sum 1, times the routed scaling factor."""
+    weights = scores.gather(1, indices)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling
 
 
 class SparseMoeBlock(nn.Module):
@@ -517,19 +525,34 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = self.n
-        mixes = normalized_projection(streams, self.fn, self.norm_eps)
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        pre, post, comb = hc_mixes(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
         return post, comb, collapse(pre, streams)
+
+
+def hc_mixes(
+    streams: torch.Tensor,  # [T, n, D]
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A hyper-connection's weights for these streams: pre [T, n] (collapse into the block input),
+    post [T, n] (spread the block output) and comb [T, n, n] (doubly stochastic by Sinkhorn-Knopp)."""
+    n = streams.shape[1]
+    mixes = normalized_projection(streams, fn, norm_eps)
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
 
 
 def normalized_projection(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -46,9 +46,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "cache_svc": ("common.*",),
     # HTTP in, Kafka out: talks to the other services through messages only
     "gateway": ("common.*",),
-    # messages in and out; engine.config alone, to read a checkpoint's context length and end
-    # tokens when a codec is built for it (Codec.for_model, inside the function)
-    "tokenizer_svc": ("common.*", "engine.config"),
+    # messages in and out; the engine's config readers alone (engine.families picks V4's or V4.1's),
+    # to read a checkpoint's family, context length and end tokens when a codec is built for it
+    # (Codec.for_model, inside the function)
+    "tokenizer_svc": ("common.*", "engine.config", "engine.families"),
     # consume, run the engine through its public API (its package's exports) and its connector
     # to any KV store, produce: no cache_svc, the store is handed in by whoever wires the mesh
     "prefill_svc": ("common.*", "engine", "engine.prefix_connector", "engine.prefix_store"),

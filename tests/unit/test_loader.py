@@ -301,9 +301,13 @@ def test_other_architectures_are_refused(tiny_checkpoint, tmp_path):
     _edit_config(path, model_type="llama")
     with pytest.raises(UnsupportedCheckpointError, match=re.escape("config.json: model_type 'llama' is not supported")):
         load_model(path)
+    # a V4 config relabelled V4.1 lacks V4.1's layer plan: refused, naming what is missing
     _edit_config(path, model_type="deepseek_v41")
+    with pytest.raises(UnsupportedCheckpointError, match=re.escape("lacks qk_rope_head_dim, compress_ratios")):
+        load_model(path)
+    _edit_config(path, model_type="deepseek_v41", architectures=["LlamaForCausalLM"])
     with pytest.raises(
-        UnsupportedCheckpointError, match=re.escape("config.json: model_type 'deepseek_v41' is DeepSeek-V4.1")
+        UnsupportedCheckpointError, match=re.escape("architectures ['LlamaForCausalLM'] is not supported")
     ):
         load_model(path)
 

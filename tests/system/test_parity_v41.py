@@ -1,0 +1,124 @@
+"""Our DeepSeek-V4.1 engine against an independent forward pass (tests/support/v41_reference.py),
+assembled from DeepInfer's plain-torch references and SGLang's torch code, on random tiny
+configs that between them use every part of the layer plan.
+
+Neither DeepInfer's nor SGLang's model runs whole on a CPU (their attention is FlashMLA, several
+of DeepInfer's kernels ship without source), so the oracle calls their functions piece by piece;
+its module docstring lists which piece comes from where and the little glue written there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLMEngine
+from engine.checkpoint.make_model_v41 import PRESETS_V41, write_checkpoint_v41
+from engine.families import read_config
+from engine.model.step_input import SeqSlice, StepInput, ngram_context
+from engine.state_cache import StateCache
+from tests.support.v41_reference import reference_logits
+
+pytestmark = pytest.mark.in_process
+
+TINY = PRESETS_V41["tiny-v41"]
+CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    # the preset: ratios 0/2/1, shared KV and top-k, candidate blocks, Engram, YaRN
+    "preset": (TINY, "none"),
+    # a small window that prompts overflow; several KV sources before the boundary; no candidates
+    "window-8": (
+        TINY
+        | dict(
+            sliding_window=8,
+            compress_ratios=[2, 0, 2, 2, 1, 1, 1],
+            num_hidden_layers=7,
+            kv_source_layer_ids=[0, 2, 4],
+            index_source_layer_ids=[0, 2, 3, 4, 6],
+            candidate_source_layer_id=None,
+            engram_layer_ids=[1, 3],
+            engram_max_ngram_size=4,
+            rope_scaling=None,
+            index_topk=4,
+        ),
+        "none",
+    ),
+    # no YOCO consumer layers (no ratio 1), no Engram, top-k shared across three layers
+    "no-yoco": (
+        TINY
+        | dict(
+            sliding_window=16,
+            compress_ratios=[0, 2, 2, 2, 0],
+            num_hidden_layers=5,
+            kv_source_layer_ids=[1],
+            index_source_layer_ids=[1],
+            candidate_source_layer_id=1,
+            candidate_block_size=4,
+            candidate_topk_blocks=3,
+            index_topk=6,
+            engram_layer_ids=[],
+        ),
+        "none",
+    ),
+    # the published format: FP8 with 32 x 32 ue8m0 scales, FP4 experts, FP8 Engram tables
+    "fp8-fp4": (TINY | dict(sliding_window=32, index_topk=8), "fp8-fp4"),
+}
+PROMPT_LENGTHS = (1, 7, 150, 333)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    text, quant = CONFIGS[request.param]
+    seed = sorted(CONFIGS).index(request.param) + 1
+    return write_checkpoint_v41(tmp_path_factory.mktemp("v41-parity") / request.param, text, seed, quant)
+
+
+def engine_logits(engine: LLMEngine, tokens: list[int], keep: int) -> torch.Tensor:
+    """Every kept row's logits of one whole-prompt pass (the rows truncation dropped are NaN)."""
+    model = engine.model
+    keep_from = max(0, len(tokens) - keep) if keep else 0
+    cache = StateCache(model.config, 8, 1, torch.float32, "cpu")
+    step = StepInput.of(torch.tensor(tokens), [SeqSlice(0, 0, len(tokens), list(range(8)), keep_from)])
+    if model.ngram_context:
+        step.ngram_context = ngram_context([], tokens, model.ngram_context)
+    with torch.no_grad():
+        logits = model.compute_logits(model(step, cache))
+    if model.config.yoco_boundary < model.config.num_hidden_layers:
+        logits[:keep_from] = float("nan")  # rows that skipped the consumer layers
+    return logits
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 120_000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("keep", ["off", "default", "window + 2"])
+def test_every_kept_rows_logits_match_the_reference(checkpoint: Path, keep: str):
+    """Without truncation, with DeepInfer's recommended KEEP (140), and with the least it allows."""
+    window = read_config(checkpoint).sliding_window
+    keep = {"off": 0, "default": 140, "window + 2": window + 2}[keep]
+    engine = LLMEngine.from_pretrained(checkpoint, dtype="float32", prefill_keep_tokens=keep)
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        tokens = prompt(length, seed)
+        ours, theirs = engine_logits(engine, tokens, keep), reference_logits(checkpoint, tokens, keep)
+        kept = ~theirs.isnan().any(dim=-1)
+        assert torch.equal(kept, ~ours.isnan().any(dim=-1))
+        diff = (ours[kept] - theirs[kept]).abs().max().item()
+        assert diff <= 1e-4, (length, diff)
+        assert torch.equal(ours[kept].argmax(-1), theirs[kept].argmax(-1)), length
+
+
+def test_greedy_continuations_match_the_reference(checkpoint: Path):
+    """The served engine's greedy tokens (decode steps from its paged state) are the reference's
+    argmax of the whole sequence so far, recomputed from scratch for every token."""
+    from engine import SamplingParams
+
+    # a whole-sequence reference computes every row: no truncation
+    engine = LLMEngine.from_pretrained(checkpoint, dtype="float32", prefill_keep_tokens=0, max_num_batched_tokens=128)
+    tokens = prompt(200, 42)
+    ours = engine.generate([tokens], SamplingParams(max_tokens=5, temperature=0))[0].token_ids
+    theirs = list(tokens)
+    for _ in range(5):
+        theirs.append(int(reference_logits(checkpoint, theirs)[-1].argmax()))
+    assert ours == theirs[len(tokens) :]
