@@ -44,9 +44,9 @@ lint: $(INSTALLED)
 # and schemathesis's.
 # DeepInfer's source (and SGLang's), whose plain-torch references the V4.1 tests compare against:
 # fetched once from PyPI, checked against pinned hashes (scripts/fetch-reference)
-REFERENCE := .cache/reference/deepinfer-0.1.0/PKG-INFO
+REFERENCE := .cache/reference/.fetched
 $(REFERENCE): scripts/fetch-reference
-	scripts/fetch-reference >/dev/null
+	scripts/fetch-reference all >/dev/null
 	touch $@
 
 test: lint $(REFERENCE)

@@ -54,9 +54,3 @@ def build_model(config: AnyConfig, path: str | Path | None = None, mtp_modules: 
     from engine.model.v4 import DeepseekV4ForCausalLM
 
     return DeepseekV4ForCausalLM(config, mtp_modules)
-
-
-def fp32_parameter_suffixes(model: nn.Module) -> tuple[str, ...]:
-    from engine.model.v4 import FP32_PARAMETER_SUFFIXES
-
-    return getattr(model, "fp32_parameter_suffixes", FP32_PARAMETER_SUFFIXES)

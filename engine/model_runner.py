@@ -51,7 +51,7 @@ class ModelRunner:
         # V4.1's prompt truncation (engine/config_v41.py) and Engram windows; 0 for V4
         self.keep_tokens = getattr(model.config, "prefill_keep_tokens", 0)
         self.ngram_context = getattr(model, "ngram_context", 0)
-        compile_decode = compile_decode and not self.ngram_context and not self.keep_tokens
+        compile_decode = compile_decode and model.compiles_decode
         self.compiled_decode = (
             CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress) if compile_decode else None
         )

@@ -59,7 +59,7 @@ class PrefixConnector:
         `held` tokens the engine has in its own memory, nor one longer than `at_most` tokens (the
         engine's `reusable_prefix`). (None, match): nothing loaded."""
         namespace, ttl = self.namespace(tenant), self.ttl(tenant, retention_class)
-        below = min(len(prompt), len(prompt) if at_most is None else at_most) + 1
+        below = (len(prompt) if at_most is None else min(at_most, len(prompt))) + 1
         match = PrefixMatch()
         for _ in range(LOAD_ATTEMPTS):
             try:

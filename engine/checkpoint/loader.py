@@ -39,7 +39,7 @@ from engine.checkpoint.weight_names import (
 from engine.config import QuantConfig
 from engine.config_v41 import V41Config
 from engine.errors import UnsupportedCheckpointError
-from engine.families import AnyConfig, build_model, fp32_parameter_suffixes, read_config
+from engine.families import AnyConfig, build_model, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def parameter_dtype(name: str, meta: torch.Tensor, dtype: torch.dtype, model: to
     integers (the hash-routing table) as they are."""
     if not meta.dtype.is_floating_point:
         return meta.dtype
-    return torch.float32 if name.endswith(fp32_parameter_suffixes(model)) else dtype
+    return torch.float32 if name.endswith(model.fp32_parameter_suffixes) else dtype
 
 
 def _read_piece(

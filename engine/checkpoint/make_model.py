@@ -92,16 +92,34 @@ def random_state_dict(config: ModelConfig, seed: int, mtp_modules: int = 0) -> d
             # each token goes to num_experts_per_tok distinct experts
             noise = torch.rand(shape[0], config.n_routed_experts, generator=gen)
             out[name] = noise.argsort(dim=1)[:, : shape[1]].contiguous()
-        elif name.endswith(("norm.weight", "layernorm.weight")):
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif name.endswith(("hc.scale", "hc_scale")):
-            out[name] = 0.5 + torch.rand(shape, generator=gen)
-        elif name.endswith(("sinks", "position_bias", "hc.base", "hc_base", "e_score_correction_bias")):
-            out[name] = 0.5 * torch.randn(shape, generator=gen)
         else:
-            out[name] = 0.02 * torch.randn(shape, generator=gen)
+            out[name] = random_values(name, shape, gen)
         out[name] = out[name].to(dtype)
     return out
+
+
+def random_values(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """A parameter's random values, by the kind its name says (either family's names): norm weights
+    near 1, hyper-connection scales in [0.5, 1.5), biases and sinks of spread 0.5, weights small."""
+    if name.endswith(("norm.weight", "layernorm.weight", "q_weight", "k_weight")):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith(("hc.scale", "hc_scale", "_scale")):
+        return 0.5 + torch.rand(shape, generator=gen)
+    if name.endswith(
+        (
+            "sinks",
+            "position_bias",
+            "hc.base",
+            "hc_base",
+            "e_score_correction_bias",
+            "_base",
+            "attn_sink",
+            "gate.bias",
+            "gate.bias_vl",
+        )
+    ):
+        return 0.5 * torch.randn(shape, generator=gen)
+    return 0.02 * torch.randn(shape, generator=gen)
 
 
 # The projections DeepSeek-V4-Flash stores in BF16 (transformers lists the same modules to keep

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from engine.checkpoint.make_model import random_values
 from engine.checkpoint.quant import quantize_fp4, quantize_fp8
 from engine.checkpoint.safetensors_files import SINGLE_FILE
 from engine.config import QuantConfig
@@ -90,20 +91,8 @@ def v41_tokenizer(outdir: Path) -> Path:
 def random_weights(model: DeepseekV41ForCausalLM, seed: int) -> dict[str, torch.Tensor]:
     """Weights from a seeded generator in name order: the same seed, the same model."""
     gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
     meta = model.state_dict()
-    for name in sorted(meta):
-        shape = meta[name].shape
-        if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
-            values = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif name.endswith("_scale"):
-            values = 0.5 + torch.rand(shape, generator=gen)
-        elif name.endswith(("_base", "attn_sink", "gate.bias", "gate.bias_vl")):
-            values = 0.5 * torch.randn(shape, generator=gen)
-        else:
-            values = 0.02 * torch.randn(shape, generator=gen)
-        out[name] = values
-    return out
+    return {name: random_values(name, meta[name].shape, gen) for name in sorted(meta)}
 
 
 def _stored(name: str, tensor: torch.Tensor, quant: QuantConfig | None) -> dict[str, torch.Tensor]:

@@ -193,6 +193,57 @@ class Compressor(nn.Module):
         state.store(torch.where(closing, block_ids, scratch_block), entry_ids, entries)
 
 
+def prefill_window_keys(
+    window: torch.Tensor, s: SeqSlice, kv: torch.Tensor, floor: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt chunk's sliding-window keys: the ring's earlier positions from `floor` on (read
+    before this chunk overwrites the ring), then the chunk's own [S, d]; their bias [S, K] (0 or
+    -inf: each query sees the last W positions up to itself) and the chunk's positions."""
+    size, device = window.shape[1], kv.device
+    n_prior = max(0, min(s.start - floor, size - 1))
+    prior_positions = torch.arange(s.start - n_prior, s.start, device=device)
+    keys = torch.cat([window[s.slot, prior_positions % size], kv])
+    key_positions = torch.arange(s.start - n_prior, s.start + s.length, device=device)
+    query_positions = torch.arange(s.start, s.start + s.length, device=device)
+    distance = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
+    bias = torch.zeros(distance.shape, dtype=kv.dtype, device=device)
+    bias.masked_fill_((distance < 0) | (distance >= size), NEG_INF)
+    return keys, bias, query_positions
+
+
+def store_prefill_window(window: torch.Tensor, s: SeqSlice, kv: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write a prompt chunk's keys into its ring: the last W of them are all the next tokens can see."""
+    keep = min(s.length, window.shape[1])
+    window[s.slot, positions[-keep:] % window.shape[1]] = kv[-keep:]
+
+
+def decode_window_keys(
+    window: torch.Tensor, step: StepInput, kv: torch.Tensor, floor: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's new key into its ring, then its ring as the keys [B, W, d] and their bias
+    [B, W]: a ring slot counts once its position exists (and is at or past `floor` [B], if given)."""
+    size, positions = window.shape[1], step.positions
+    window[step.slots, positions % size] = kv
+    keys = window[step.slots]
+    ring = torch.arange(size, device=kv.device)
+    bias = torch.zeros(keys.shape[:2], dtype=kv.dtype, device=kv.device)
+    # ring slot j holds position p - ((p - j) mod W), which exists once it is >= 0
+    bias.masked_fill_(ring.unsqueeze(0) > positions.unsqueeze(1), NEG_INF)
+    if floor is not None:
+        held = positions.unsqueeze(1) - (positions.unsqueeze(1) - ring) % size
+        bias.masked_fill_(held < floor.unsqueeze(1), NEG_INF)
+    return keys, bias
+
+
+def with_entries(
+    keys: torch.Tensor, bias: torch.Tensor, entries: torch.Tensor, attended: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window keys [..., K, d] and bias [..., S, K] extended by compressed entries [..., n, d], each
+    query attending to those `attended` [..., S, n] marks."""
+    entry_bias = torch.zeros(attended.shape, dtype=bias.dtype, device=bias.device).masked_fill_(~attended, NEG_INF)
+    return torch.cat([keys, entries], dim=-2), torch.cat([bias, entry_bias], dim=-1)
+
+
 def gather_entries(state: CompressorState, block_table: torch.Tensor, count: int) -> torch.Tensor:
     """The first `count` entries of one sequence, [count, dim]."""
     n_blocks = -(-count // state.entries_per_block)
@@ -352,15 +403,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         device = q.device
         window = cache.window[self.layer_idx]
-        # Keys: the window's earlier positions (read before this chunk overwrites the ring), then the chunk.
-        n_prior = min(s.start, self.window - 1)
-        prior_positions = torch.arange(s.start - n_prior, s.start, device=device)
-        keys = torch.cat([window[s.slot, prior_positions % self.window], kv])
-        key_positions = torch.arange(s.start - n_prior, s.start + s.length, device=device)
-        query_positions = torch.arange(s.start, s.start + s.length, device=device)
-        distance = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
-        bias = torch.zeros(distance.shape, dtype=q.dtype, device=device)
-        bias.masked_fill_((distance < 0) | (distance >= self.window), NEG_INF)
+        keys, bias, query_positions = prefill_window_keys(window, s, kv)
 
         if self.compressor is not None:
             rate = self.compressor.rate
@@ -376,15 +419,12 @@ class Attention(nn.Module):
                 top = indexer.select(scores, min(indexer.topk, count))
                 chosen = torch.zeros_like(visible).scatter_(1, top, True)
                 visible = visible & chosen
-            compressed_bias = torch.zeros(visible.shape, dtype=q.dtype, device=device).masked_fill_(~visible, NEG_INF)
-            keys = torch.cat([keys, entries])
-            bias = torch.cat([bias, compressed_bias], dim=1)
+            keys, bias = with_entries(keys, bias, entries, visible)
 
         out = self.backend.attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), bias.unsqueeze(0), self.sinks, self.scaling
         ).squeeze(0)
-        keep = min(s.length, self.window)
-        window[s.slot, query_positions[-keep:] % self.window] = kv[-keep:]
+        store_prefill_window(window, s, kv, query_positions)
         return out
 
     def _decode(
@@ -396,14 +436,8 @@ class Attention(nn.Module):
         step: StepInput,
         cache: StateCache,
     ) -> torch.Tensor:
-        window = cache.window[self.layer_idx]
-        positions, slots = step.positions, step.slots
-        window[slots, positions % self.window] = kv
-        keys = window[slots]  # [B, W, d]
-        ring = torch.arange(self.window, device=q.device)
-        # ring slot j holds position p - ((p - j) mod W), which exists once it is >= 0
-        bias = torch.zeros(keys.shape[:2], dtype=q.dtype, device=q.device)
-        bias.masked_fill_(ring.unsqueeze(0) > positions.unsqueeze(1), NEG_INF)
+        positions = step.positions
+        keys, bias = decode_window_keys(cache.window[self.layer_idx], step, kv)
 
         if self.compressor is not None:
             state = cache.compressors[self.layer_idx]
@@ -419,9 +453,7 @@ class Attention(nn.Module):
                 top = indexer.select(scores, min(indexer.topk, all_entries.shape[1]))  # [B, k]
                 visible = visible.gather(1, top)
                 all_entries = all_entries.gather(1, top.unsqueeze(-1).expand(-1, -1, all_entries.shape[-1]))
-            compressed_bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
-            keys = torch.cat([keys, all_entries], dim=1)
-            bias = torch.cat([bias, compressed_bias.masked_fill_(~visible, NEG_INF)], dim=1)
+            keys, bias = with_entries(keys, bias, all_entries, visible)
 
         out = self.backend.attention(q.unsqueeze(2), keys, bias.unsqueeze(1), self.sinks, self.scaling)  # [B, 1, H, d]
         return out.squeeze(1)
@@ -658,7 +690,29 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
+# Parameters that stay in fp32 whatever the checkpoint dtype (as in the reference).
+FP32_PARAMETER_SUFFIXES = (
+    "attn_hc.fn",
+    "attn_hc.base",
+    "attn_hc.scale",
+    "ffn_hc.fn",
+    "ffn_hc.base",
+    "ffn_hc.scale",
+    "hc_head.hc_fn",
+    "hc_head.hc_base",
+    "hc_head.hc_scale",
+    "sinks",
+    "position_bias",
+    "e_score_correction_bias",
+    "norm.weight",
+    "layernorm.weight",
+)
+
+
 class DeepseekV4ForCausalLM(nn.Module):
+    fp32_parameter_suffixes = FP32_PARAMETER_SUFFIXES
+    compiles_decode = True  # engine/compiled_decode.py builds its decode step
+
     def __init__(self, config: ModelConfig, mtp_modules: int = 0):
         super().__init__()
         self.config = config
@@ -689,22 +743,3 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] in fp32."""
         return self.lm_head.backend.output_logits(hidden, self.lm_head.weight)
-
-
-# Parameters that stay in fp32 whatever the checkpoint dtype (as in the reference).
-FP32_PARAMETER_SUFFIXES = (
-    "attn_hc.fn",
-    "attn_hc.base",
-    "attn_hc.scale",
-    "ffn_hc.fn",
-    "ffn_hc.base",
-    "ffn_hc.scale",
-    "hc_head.hc_fn",
-    "hc_head.hc_base",
-    "hc_head.hc_scale",
-    "sinks",
-    "position_bias",
-    "e_score_correction_bias",
-    "norm.weight",
-    "layernorm.weight",
-)

