@@ -402,7 +402,7 @@ class _Forward:
             return None
         n = int(cfg.engram_max_ngram_size)
         heads = int(cfg.engram_n_heads)
-        vocab = self.up.CompressedVocabulary(str(self.model_dir / "tokenizer.json"))
+        vocab = _compressed_vocabulary(self.up.CompressedVocabulary, str(self.model_dir / "tokenizer.json"))
         expected = cfg.text.get("engram_compressed_vocab_size")
         assert not expected or expected == len(vocab), f"compressed vocabulary {len(vocab)} != config {expected}"
         layout = self.up.EngramLayout.from_cfg(
@@ -730,6 +730,12 @@ class _Forward:
 
 
 @torch.no_grad()
+@functools.cache
+def _compressed_vocabulary(build: Any, tokenizer_file: str) -> Any:
+    """DeepInfer's compressed vocabulary of a tokenizer, built once (it decodes every token id)."""
+    return build(tokenizer_file)
+
+
 def reference_logits(model_dir: Path, token_ids: list[int], keep_tokens: int = 0) -> torch.Tensor:
     """Logits [T, vocab] (fp32) of DeepSeek-V4.1 at `model_dir` for one prompt, run whole, no cache.
     `keep_tokens` > 0: DeepInfer's compact YOCO prefill truncation keeping the last `keep_tokens`
