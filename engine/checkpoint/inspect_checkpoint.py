@@ -13,7 +13,15 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.loader import Piece, WeightPlan, parameter_dtype, plan_weights, resolve_dtype, unused_summary
+from engine.checkpoint.loader import (
+    ENGRAM_TABLE,
+    Piece,
+    WeightPlan,
+    parameter_dtype,
+    plan_weights,
+    resolve_dtype,
+    unused_summary,
+)
 from engine.checkpoint.safetensors_files import CheckpointFiles, StoredTensor
 from engine.checkpoint.weight_names import EXPERT_PARAMS
 from engine.config import ModelConfig
@@ -37,9 +45,9 @@ _SHORT_DTYPES = {
 # tensor groups, first match wins: (label, test on the engine name)
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("multi-token prediction", ("mtp.",)),
+    ("Engram", (".engram.",)),
     ("embedding", ("embed_tokens", "embed.weight")),
     ("output head", ("lm_head", "head.weight")),
-    ("Engram", (".engram.",)),
     ("routed experts", EXPERT_PARAMS),
     ("shared experts", (".shared_experts.",)),
     ("router", (".mlp.gate.", ".ffn.gate.")),
@@ -94,12 +102,16 @@ def _stored_as(piece: Piece, quant_block: tuple[int, int] | None) -> str:
         return _SHORT_DTYPES.get(piece.tensor.dtype, str(piece.tensor.dtype))
     scale = piece.scale.dtype
     scale_kind = "ue8m0" if scale in (torch.float8_e8m0fnu, torch.uint8) else _SHORT_DTYPES.get(scale, str(scale))
+    if piece.target.name.endswith(ENGRAM_TABLE):
+        return f"fp8-e4m3 ({scale_kind} scale per row and 32 columns, memory-mapped)"
     if piece.quantization == "fp8":
         return f"fp8-e4m3 ({scale_kind} scale per {quant_block[0]}x{quant_block[1]})"
     return f"fp4-e2m1 ({scale_kind} scale per 32)"
 
 
 def _naming(plan: WeightPlan) -> str:
+    if isinstance(plan.model.config, V41Config):  # the model's own names are the checkpoint's
+        return "DeepSeek's (embed, layers.N.attn.wq_a, ...), as DeepInfer and SGLang read them"
     stored = [piece.tensor.name for pieces in plan.pieces.values() for piece in pieces]
     prefixed = sum(name.startswith("model.") for name in stored)
     renamed = sum(piece.tensor.name != name for name, pieces in plan.pieces.items() for piece in pieces)
@@ -139,6 +151,8 @@ def inspect_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint
     for name, meta in expected.items():
         group = groups[_group(name)]
         loaded = parameter_dtype(name, meta, report.loaded_dtype, plan.model)
+        if name.endswith(ENGRAM_TABLE) and plan.pieces[name][0].quantization == "fp8":
+            loaded = plan.pieces[name][0].tensor.dtype  # stays as stored, mapped where it lies
         group.parameters += meta.numel()
         group.loaded_bytes += meta.numel() * loaded.itemsize
         group.loaded_as.add(_SHORT_DTYPES.get(loaded, str(loaded)))
@@ -153,8 +167,12 @@ def inspect_checkpoint(path: str | Path, dtype: str | None = None) -> Checkpoint
     idle_experts = 1 - config.num_experts_per_tok / config.n_routed_experts
     routed = report.groups.get("routed experts", TensorGroup()).parameters
     embedding = report.groups.get("embedding", TensorGroup()).parameters
-    # a token uses its k routed experts of each layer and one row of the embedding table
-    report.active_parameters = int(report.total_parameters - routed * idle_experts - embedding + config.hidden_size)
+    # a token uses its k routed experts of each layer and one row of the embedding table (and a few rows
+    # of each Engram table, left out: a few thousand parameters against the tables' billions)
+    tables = sum(meta.numel() for name, meta in expected.items() if name.endswith(ENGRAM_TABLE))
+    report.active_parameters = int(
+        report.total_parameters - routed * idle_experts - embedding - tables + config.hidden_size
+    )
     return report
 
 
