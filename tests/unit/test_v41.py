@@ -291,3 +291,24 @@ def test_the_published_format_loads_and_generates(tmp_path: Path):
     assert table.weight.untyped_storage().nbytes() == (path / "model.safetensors").stat().st_size
     outs = engine.generate([prompt(300, 9), prompt(50, 10)], SamplingParams(max_tokens=4, temperature=0))
     assert all(len(o.token_ids) == 4 for o in outs)
+
+
+def test_prompts_of_a_v41_checkpoint_use_the_v41_encoding_whatever_its_served_name(tiny_v41: Path):
+    """The tokenizer service encodes with deepseek-recipe's V4.1 encoding, which opens the system
+    part with `<｜System｜>` (a token the V4 tokenizer lacks); the expected ids are the rendered
+    V4.1 prompt read by the checkpoint's tokenizer itself."""
+    from tokenizers import Tokenizer
+
+    from tokenizer_svc.protocol import Codec
+
+    codec = Codec.for_model(tiny_v41, "any-name-at-all")
+    body = {
+        "model": "any-name-at-all",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        "thinking": {"type": "disabled"},
+    }
+    rendered = "<｜begin▁of▁sentence｜><｜System｜>Be brief.<｜User｜>Hello<｜Assistant｜></think>"
+    tokenizer = Tokenizer.from_file(str(tiny_v41 / "tokenizer.json"))
+    expected = tokenizer.encode(rendered, add_special_tokens=False).ids
+    assert tokenizer.token_to_id("<｜System｜>") in expected
+    assert codec.prompt("chat.completions", body).token_ids == expected
