@@ -111,6 +111,24 @@ def tiny_preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_v41_preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DeepSeek-V4.1 preset as `deepmesh make-model D --preset tiny-v41 --seed 1` makes it
+    (the V4.1 tokenizer): what the tests that run on both families serve for V4.1. Seed 1: greedy,
+    its random weights close a free JSON string and stop after one tool call within the
+    structured-output tests' max_tokens, as the V4 preset's seed 0 does (seed 0's do not)."""
+    from engine.checkpoint.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("preset-v41") / "tiny-v41", "tiny-v41", seed=1)
+
+
+@pytest.fixture(params=["deepseek_v4", "deepseek_v41"], scope="session")
+def family_preset(request: pytest.FixtureRequest) -> Path:
+    """Each model family's tiny preset in turn: for the tests that hold on both."""
+    name = "tiny_preset" if request.param == "deepseek_v4" else "tiny_v41_preset"
+    return request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["tiny-preset"]
 

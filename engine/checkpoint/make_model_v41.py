@@ -68,6 +68,38 @@ PRESETS_V41: dict[str, dict[str, Any]] = {
         },
         max_position_embeddings=8192,
     ),
+    # the published layout scaled down, used by the benchmarks: two window-only layers, then
+    # ratio 2 up to the boundary and ratio 1 after it, half of the compressed layers owning KV
+    "small-v41": dict(
+        num_hidden_layers=8,
+        hidden_size=512,
+        num_attention_heads=8,
+        head_dim=128,
+        qk_rope_head_dim=32,
+        q_lora_rank=256,
+        o_groups=4,
+        o_lora_rank=128,
+        sliding_window=128,
+        compress_ratios=[0, 0, 2, 2, 2, 2, 1, 1],
+        kv_source_layer_ids=[2, 4, 6],
+        index_source_layer_ids=[2, 4, 6],
+        candidate_source_layer_id=6,
+        candidate_block_size=16,
+        candidate_topk_blocks=8,
+        index_n_heads=32,
+        index_head_dim=64,
+        index_topk=64,
+        n_routed_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        hc_mult=4,
+        engram_layer_ids=[1],
+        engram_max_ngram_size=3,
+        engram_n_heads=4,
+        engram_head_dim=64,
+        engram_vocab_size=20011,
+        max_position_embeddings=65536,
+    ),
 }
 
 # stored in BF16 by the published checkpoints (the rest of the projections in FP8, experts in FP4)

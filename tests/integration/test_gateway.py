@@ -3,65 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from common.bus import MemoryBus
-from common.claims import ClaimStore
 from common.topics import all_topic_names
-from deepmesh.mesh import Mesh
 from gateway.app import create_app
-from gateway.jobs import JobStore
 from tests.support.batch_behaviour import BatchBehaviour
-from tests.support.behaviour import MODEL, GatewayBehaviour, ModelOutputBehaviour, ServerThread, scripted_gateway
-from tests.support.infra import require_service, scratch_store
+from tests.support.behaviour import MODEL, GatewayBehaviour, ModelOutputBehaviour, ServerThread
 from tokenizer_svc.protocol import Codec
 
 
 @pytest.fixture(scope="module")
 def model(tiny_preset):
     return tiny_preset
-
-
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    # job state in the stack's PostgreSQL (make test), or SQLite when run by hand without it
-    database = os.environ.get("DEEPMESH_DATABASE_URL") or f"sqlite:///{tmp_path_factory.mktemp('db')}/jobs.db"
-    if os.environ.get("DEEPMESH_REQUIRE_INFRA") == "1":
-        database = require_service("DEEPMESH_DATABASE_URL")
-    store = JobStore(database)
-    yield store
-    store.close()
-
-
-@pytest.fixture(scope="module")
-def service(model, jobs, tmp_path_factory):
-    bus = MemoryBus(ClaimStore(tmp_path_factory.mktemp("claims")))  # as `deepmesh serve` runs it
-    mesh = Mesh(model, bus, scratch_store(tmp_path_factory.mktemp("state")), served_model=MODEL).start()
-    files_dir = tmp_path_factory.mktemp("files")
-    app = create_app(bus, "deepmesh.", [MODEL], jobs, files_dir=str(files_dir), batch_rounds=0.2)
-    with ServerThread(app) as server:
-        yield SimpleNamespace(
-            url=server.url,
-            model=model,
-            decode_running=lambda: len(mesh.decode.jobs),
-            pinned_by=mesh.store.catalog.pinned_by,
-            mesh=mesh,
-            bus=bus,
-            prefix="deepmesh.",
-        )
-    mesh.stop()
-
-
-@pytest.fixture(scope="module")
-def scripted(model, jobs, tmp_path_factory):
-    with scripted_gateway(model, jobs, tmp_path_factory.mktemp("claims")) as running:
-        yield running
 
 
 class TestEmbedded(GatewayBehaviour):

@@ -1,4 +1,6 @@
-"""The `deepmesh` command: make-model and generate, run as a user would."""
+"""The `deepmesh` command: make-model, inspect, generate and serve, run as a user would. The
+commands that compute and exit (no services, no deadline) are `in_process`: they run in `make
+test`'s parallel part, beside the integration tier; `serve` runs alone."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def tiny_preset(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.in_process
 def test_make_model_writes_a_servable_checkpoint(tiny_preset):
     config = json.loads((tiny_preset / "config.json").read_text())
     assert config["model_type"] == "deepseek_v4" and config["architectures"] == ["DeepseekV4ForCausalLM"]
@@ -41,6 +44,7 @@ def test_make_model_writes_a_servable_checkpoint(tiny_preset):
     assert (tiny_preset / "tokenizer_config.json").is_file()
 
 
+@pytest.mark.in_process
 def test_make_model_is_deterministic(tiny_preset, tmp_path):
     """The same seed makes the same bytes again (the command's tiny_preset, seed 7, and the
     function it runs, in this process); another seed another model."""
@@ -50,6 +54,7 @@ def test_make_model_is_deterministic(tiny_preset, tmp_path):
     assert _digest(make_model(tmp_path / "other", "tiny", seed=8)) != _digest(tiny_preset)
 
 
+@pytest.mark.in_process
 def test_make_model_writes_the_published_layout_and_inspect_reads_it(tmp_path):
     path = tmp_path / "published"
     made = deepmesh("make-model", str(path), "--format", "deepseek", "--quant", "fp8-fp4", "--shards", "2")
@@ -97,6 +102,7 @@ def test_make_model_writes_the_published_layout_and_inspect_reads_it(tmp_path):
     assert "lacks qk_rope_head_dim, compress_ratios" in shown.stdout and "required for deepseek_v41" in shown.stdout
 
 
+@pytest.mark.in_process
 def test_generate_prints_text_and_speed(tiny_preset):
     result = deepmesh("generate", "--model", str(tiny_preset), "--prompt", "Hello, DeepSeek", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
@@ -104,6 +110,7 @@ def test_generate_prints_text_and_speed(tiny_preset):
     assert "12 generated" in result.stderr and "tok/s" in result.stderr
 
 
+@pytest.mark.in_process
 def test_generate_reports_bad_input_clearly(tiny_preset, tmp_path):
     result = deepmesh("generate", "--model", str(tmp_path), "--prompt", "x")
     assert result.returncode == 2 and "no tokenizer.json" in result.stderr

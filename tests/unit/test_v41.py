@@ -29,8 +29,8 @@ from tests.support.deepinfer_reference import StubbedKernelError, engram_metadat
 
 
 @pytest.fixture(scope="module")
-def tiny_v41(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("v41") / "tiny-v41", "tiny-v41", seed=0)
+def tiny_v41(tiny_v41_preset: Path) -> Path:
+    return tiny_v41_preset
 
 
 @pytest.fixture(scope="module")
