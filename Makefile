@@ -63,6 +63,7 @@ stack-down:
 bench: $(INSTALLED)
 	$(BIN)/python benchmarks/engine_vs_transformers.py --config small
 	$(BIN)/python benchmarks/engine_vs_transformers.py --config tiny-vocab
+	$(BIN)/python benchmarks/engine_v41.py
 
 # deepmesh against guidellm, aiperf and lm-eval, installed in .compat-venv of their own: a short
 # run of each, checked from each one's own report (scripts/compat/README.md)

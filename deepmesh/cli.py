@@ -219,20 +219,10 @@ def _compile_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _model_type(path: Path) -> str | None:
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None  # the loader says what is wrong with it
-
-
 def _compile_decode(args: argparse.Namespace, settings) -> bool:
     """Whether decode steps run compiled; when they do, says on stderr what happens meanwhile and
     lets the compiler's one line per graph through whatever the log level."""
     compile_decode = settings.compile_decode if args.compile is None else args.compile
-    if compile_decode and _model_type(args.model) == "deepseek_v41":
-        print("DeepSeek-V4.1: decode steps run eager (its compiled decode is not built yet)", file=sys.stderr)
-        return False
     if compile_decode:
         logging.getLogger("engine.compiled_decode").setLevel(logging.INFO)
         print(

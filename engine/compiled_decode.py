@@ -34,7 +34,10 @@ from typing import NamedTuple
 import torch
 
 from engine.model import DeepseekV4ForCausalLM, StepInput
+from engine.model.v41 import DeepseekV41ForCausalLM
 from engine.state_cache import StateCache
+
+DecodeModel = DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +73,16 @@ def min_width(cache: StateCache) -> int:
 
 
 def _decode(
-    model: DeepseekV4ForCausalLM,
+    model: DecodeModel,
     cache: StateCache,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
     block_tables: torch.Tensor,
+    ngram_context: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
-    hidden = model(StepInput(input_ids, positions, slots=slots, block_tables=block_tables), cache)
+    step = StepInput(input_ids, positions, slots=slots, block_tables=block_tables, ngram_context=ngram_context)
+    hidden = model(step, cache)
     columns = model.lm_head.backend.logit_columns(hidden, model.lm_head.weight)  # [vocab, B]
     return hidden, columns.T, columns.logsumexp(dim=0), columns.argmax(dim=0)
 
@@ -90,8 +95,8 @@ def _decode_function(size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
     return types.FunctionType(code, _decode.__globals__, code.co_name)
 
 
-def _shapes(inputs: tuple[torch.Tensor, ...]) -> str:
-    return ", ".join(str(tuple(tensor.shape)) for tensor in inputs)
+def _shapes(inputs: tuple[torch.Tensor | None, ...]) -> str:
+    return ", ".join(str(tuple(tensor.shape)) for tensor in inputs if tensor is not None)
 
 
 def compiled_code(compiled: Callable) -> Callable[..., tuple[torch.Tensor, ...]] | None:
@@ -174,7 +179,7 @@ class CompiledDecode:
 
     def __init__(
         self,
-        model: DeepseekV4ForCausalLM,
+        model: DecodeModel,
         cache: StateCache,
         max_batch: int,
         on_progress: Callable[[int, int], None] | None = None,
@@ -200,7 +205,7 @@ class CompiledDecode:
     @classmethod
     def create(
         cls,
-        model: DeepseekV4ForCausalLM,
+        model: DecodeModel,
         cache: StateCache,
         max_batch: int,
         on_progress: Callable[[int, int], None] | None = None,
@@ -250,35 +255,54 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def __call__(
-        self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+        ngram_contexts: list[list[int]] | None = None,
     ) -> DecodeOutput:
-        """One decode token per sequence: the final hidden states and what sampling reads of the logits."""
+        """One decode token per sequence: the final hidden states and what sampling reads of the
+        logits. `ngram_contexts`: each token's n ids before it (a model with Engram layers)."""
         size, rows = self.bucket(len(token_ids)), len(token_ids)
-        outputs = self._run(size, *self._padded(size, token_ids, positions, slots, block_tables))
+        outputs = self._run(size, *self._padded(size, token_ids, positions, slots, block_tables, ngram_contexts))
         self.steps += 1
         return DecodeOutput(*(tensor[:rows] for tensor in outputs))
 
     def _padded(
-        self, size: int, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]
-    ) -> tuple[torch.Tensor, ...]:
-        """The graph's inputs for these rows, padded to `size` rows and at least `min_width` blocks."""
+        self,
+        size: int,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+        ngram_contexts: list[list[int]] | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The graph's inputs for these rows, padded to `size` rows and at least `min_width` blocks
+        (the n-gram contexts None for a model without Engram layers)."""
         pad = size - len(token_ids)
         width = max([self.min_width, *map(len, block_tables)])
         scratch = self.cache.scratch_block
         tables = [table + [scratch] * (width - len(table)) for table in block_tables]
         tables += [[scratch] * width] * pad
 
-        def tensor(values: list[int]) -> torch.Tensor:
+        def tensor(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        return (
+        inputs = (
             tensor(token_ids + [0] * pad),
             tensor(positions + [0] * pad),
             tensor(slots + [self.cache.scratch_slot] * pad),
             tensor(tables),
         )
+        n = getattr(self.model, "ngram_context", 0)
+        if not n:
+            return (*inputs, None)
+        # a padding row's token is at position 0: nothing before it (-1)
+        contexts = [[-1] * n] * len(token_ids) if ngram_contexts is None else ngram_contexts
+        return (*inputs, tensor([*contexts, *[[-1] * n] * pad]).view(size, n))
 
-    def _run(self, size: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _run(self, size: int, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         # Once a bucket's graph is compiled, nothing Dynamo checks before a call changes: the bucket
         # fixes the batch, the weights and the state tensors are the same objects for the engine's
         # life, and the one size that varies, the block-table width, is a dynamic dimension of the
@@ -288,7 +312,7 @@ class CompiledDecode:
         direct = self._direct.get(size)
         if direct is not None:
             return direct(self.model, self.cache, *inputs)
-        torch._dynamo.maybe_mark_dynamic(inputs[-1], 1)  # the block-table width
+        torch._dynamo.maybe_mark_dynamic(inputs[3], 1)  # the block-table width
         if size in self._direct:  # run before, but this torch keeps no code to call: guards skipped
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -323,7 +347,7 @@ class CompiledDecode:
 
     def _compile(self, size: int) -> None:
         start = time.perf_counter()
-        self._run(size, *self._padded(size, [], [], [], []))
+        self._run(size, *self._padded(size, [], [], [], [], []))
         self._ready.add(size)
         planned = len(self.buckets)
         seconds = time.perf_counter() - start

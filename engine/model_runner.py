@@ -62,14 +62,15 @@ class ModelRunner:
         """Compute the scheduled tokens: each sequence's last hidden state of the step [len(seqs), hidden],
         and, from a compiled decode step, their logits too (else None)."""
         compiled = self.compiled_decode
-        if compiled is not None and all(n == 1 for n in num_tokens) and compiled.is_ready(len(seqs)):
-            decoded = compiled(
-                [seq.tokens_between(seq.num_computed, seq.num_computed + 1)[0] for seq in seqs],
-                [seq.num_computed for seq in seqs],
-                [seq.slot for seq in seqs],
-                [seq.block_table for seq in seqs],
-            )
-            return decoded.hidden, decoded
+        # a truncated prompt's one-token chunk hides the window before its kept tokens, which the
+        # graph does not: it computes generated tokens, which have nothing to hide (KEEP >= window)
+        in_truncated_prompt = self.keep_tokens and any(
+            self.keep_tokens < len(seq.prompt_token_ids) and seq.num_computed < len(seq.prompt_token_ids)
+            for seq in seqs
+        )
+        decode_shaped = all(n == 1 for n in num_tokens) and not in_truncated_prompt
+        if compiled is not None and decode_shaped and compiled.is_ready(len(seqs)):
+            return self._compiled_step(compiled, seqs)
         slices, token_ids, ends, contexts = [], [], [], []
         for seq, n in zip(seqs, num_tokens, strict=True):
             keep_from = max(0, len(seq.prompt_token_ids) - self.keep_tokens) if self.keep_tokens else 0
@@ -83,6 +84,23 @@ class ModelRunner:
         if contexts:
             step.ngram_context = torch.cat(contexts).to(self.device)
         return self.model(step, self.cache)[ends].clone(), None  # each sequence's last token of the step
+
+    def _compiled_step(self, compiled: CompiledDecode, seqs: list[Sequence]) -> tuple[torch.Tensor, DecodeOutput]:
+        tokens = [seq.tokens_between(seq.num_computed, seq.num_computed + 1) for seq in seqs]
+        contexts = None
+        if n := self.ngram_context:
+            contexts = [
+                ngram_context(seq.tokens_between(max(0, seq.num_computed - n), seq.num_computed), token, n)[0].tolist()
+                for seq, token in zip(seqs, tokens, strict=True)
+            ]
+        decoded = compiled(
+            [token[0] for token in tokens],
+            [seq.num_computed for seq in seqs],
+            [seq.slot for seq in seqs],
+            [seq.block_table for seq in seqs],
+            contexts,
+        )
+        return decoded.hidden, decoded
 
     def sample(
         self,

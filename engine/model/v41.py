@@ -456,7 +456,7 @@ def kept_rows(step: StepInput) -> tuple[StepInput, torch.Tensor] | None:
 class DeepseekV41ForCausalLM(nn.Module):
     # parameters that stay in fp32 whatever the checkpoint dtype
     fp32_parameter_suffixes = ("_fn", "_base", "_scale", "attn_sink", "gate.bias", "gate.bias_vl", "norm.weight")
-    compiles_decode = False  # its decode step runs eager: no compiled graph is built for it yet
+    compiles_decode = True  # engine/compiled_decode.py builds its decode step (Engram windows as an input)
 
     def __init__(self, config: V41Config, tokenizer_file: str | None = None):
         super().__init__()

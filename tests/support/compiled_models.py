@@ -1,7 +1,8 @@
 """The model tests/system/test_compiled_decode.py compiles, and its graphs compiled ahead, behind
 the rest of the run.
 
-Compiling its three buckets takes about two minutes of one core on a fresh machine, and most of
+Compiling its three buckets takes about two minutes of one core on a fresh machine for each of
+its two models (a DeepSeek-V4 and a V4.1), and most of
 the `alone` part of `make test` leaves a core idle while it waits on the broker and on killed
 processes. So when a serial run selects that module, `BackgroundCompile` starts this file as a
 process at the lowest priority as the run starts: it compiles the same model's graphs into the
@@ -10,7 +11,7 @@ waits for it and then loads its graphs from the cache. Nothing is taken on trust
 still compares every compiled token with the eager engine's, and where the process failed or
 never ran it compiles the graphs itself.
 
-    python -m tests.support.compiled_models DIR   # writes the model to DIR, compiles, exits
+    python -m tests.support.compiled_models DIR   # writes the models under DIR, compiles, exits
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import pytest
 
 from engine import LLMEngine
 from engine.checkpoint.make_model import preset_config, write_checkpoint
+from engine.compiled_decode import DecodeModel
 from engine.config import CSA, HCA, SLIDING
-from engine.model import DeepseekV4ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOTS = 4  # the engines' max_num_seqs: buckets 1, 2 and 4
@@ -43,7 +44,27 @@ def write_three_layer_model(directory: Path) -> Path:
     return write_checkpoint(directory, config, seed=1)
 
 
-def compiled_engine(model: DeepseekV4ForCausalLM, **options) -> LLMEngine:
+def write_four_layer_v41_model(directory: Path) -> Path:
+    """The tiny DeepSeek-V4.1 preset in four layers instead of six: a window-only layer with
+    Engram, a ratio-2 layer, the YOCO boundary (ratio 1: a KV source choosing candidate blocks)
+    and a consumer layer that shares its KV and searches its candidate blocks."""
+    from engine.checkpoint.make_model_v41 import PRESETS_V41, write_checkpoint_v41
+
+    text = PRESETS_V41["tiny-v41"] | dict(
+        num_hidden_layers=4,
+        compress_ratios=[0, 2, 1, 1],
+        kv_source_layer_ids=[1, 2],
+        index_source_layer_ids=[1, 2, 3],
+        candidate_source_layer_id=2,
+        engram_layer_ids=[0],
+    )
+    return write_checkpoint_v41(directory, text, seed=1)
+
+
+MODELS = {"deepseek_v4": write_three_layer_model, "deepseek_v41": write_four_layer_v41_model}
+
+
+def compiled_engine(model: DecodeModel, **options) -> LLMEngine:
     """An engine whose decode graphs are all ready: every decode step it runs is compiled."""
     engine = LLMEngine(model, max_num_seqs=SLOTS, compile_decode=True, **options)
     assert engine.compiled_decode is not None, "torch.compile is unavailable: no g++? (scripts/stack toolchain)"
@@ -102,6 +123,8 @@ if __name__ == "__main__":
     # done here first, at normal priority, lest a service wait on the lock while this one is starved
     pick_vec_isa()
     lowest_priority()
-    start = time.perf_counter()
-    engine = compiled_engine(LLMEngine.from_pretrained(write_three_layer_model(Path(sys.argv[1]))).model)
-    print(f"decode graphs for buckets {engine.compiled_decode.buckets} ready in {time.perf_counter() - start:.1f} s")
+    for family, write in MODELS.items():
+        start = time.perf_counter()
+        engine = compiled_engine(LLMEngine.from_pretrained(write(Path(sys.argv[1]) / family)).model)
+        seconds = time.perf_counter() - start
+        print(f"{family}: decode graphs for buckets {engine.compiled_decode.buckets} ready in {seconds:.1f} s")
