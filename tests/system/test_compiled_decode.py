@@ -1,7 +1,8 @@
 """The compiled decode step (engine/compiled_decode.py) against the eager engine: the same greedy
 tokens in every mode (batch sizes that pad, chunked prefill through the compiled step, state
 handed over, prefixes imported), on a model of each family (DeepSeek-V4.1's prompts of 250 and 520
-tokens are truncated), and eager decoding, with one log line, where nothing compiles.
+tokens are truncated; its graphs traced, not code-generated: tests/support/compiled_models.py),
+and eager decoding, with one log line, where nothing compiles.
 
 The graphs (the buckets 1, 2 and 4) are compiled once; in a serial run, ahead, by a process at
 the lowest priority while the other tests run, this module last (tests/support/compiled_models.py).
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams, StateSnapshot
-from tests.support.compiled_models import BACKGROUND_COMPILE, MODELS, SLOTS, compiled_engine
+from tests.support.compiled_models import BACKENDS, BACKGROUND_COMPILE, MODELS, SLOTS, compiled_engine
 from tests.support.models import all_state_free, decode_to_end, prefill_and_export, random_prompts
 
 # decoding crosses what a step can change: HCA windows close at 127 and 255 (prompts of 100 and
@@ -31,13 +32,18 @@ MAX_TOKENS = (40, 31, 22, 13, 40)  # requests leave one by one: batches of 4, 3 
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def tiny_model(request, tmp_path_factory):
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tiny_model(request, family, tmp_path_factory):
     """Each family's small model (tests/support/compiled_models.py), once its graphs compiled ahead
     are in the Inductor cache, where the run compiled them behind the other tests."""
     background = request.config.stash.get(BACKGROUND_COMPILE, None)
     if background is not None and (failure := background.wait()) is not None:
         warnings.warn(f"compiling ahead failed ({failure}): this module compiles its graphs itself", stacklevel=1)
-    checkpoint = MODELS[request.param](tmp_path_factory.mktemp(request.param) / "model")
+    checkpoint = MODELS[family](tmp_path_factory.mktemp(family) / "model")
     return LLMEngine.from_pretrained(checkpoint).model
 
 
@@ -58,14 +64,14 @@ def expected(tiny_model, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def compiled(tiny_model) -> LLMEngine:
-    return compiled_engine(tiny_model)
+def compiled(tiny_model, family) -> LLMEngine:
+    return compiled_engine(tiny_model, BACKENDS[family])
 
 
 @pytest.fixture(scope="module")
-def compiled_one_token_chunks(tiny_model) -> LLMEngine:
+def compiled_one_token_chunks(tiny_model, family) -> LLMEngine:
     """A compiled engine that prefills a prompt token a step (each test leaves it with nothing held)."""
-    return compiled_engine(tiny_model, max_num_batched_tokens=1)
+    return compiled_engine(tiny_model, BACKENDS[family], max_num_batched_tokens=1)
 
 
 def test_requests_that_cross_the_switch_to_compiled_keep_their_tokens(tiny_model, compiled, prompts):
