@@ -37,11 +37,12 @@ lint: $(INSTALLED)
 # by scripts/stack (left running, so the next run starts in seconds; `make stack-down` stops them).
 # Tiers: tests/unit (no subprocess, network or broker), tests/integration (the stack, the mesh
 # embedded), tests/system (services as processes, compiled engines, the reference matrices).
-# The unit and integration tiers on two workers (pytest-xdist), each module whole in one of them:
-# most of their time is spent waiting on the broker; the system tier's in_process modules (engine
-# computations, no services) fill what that leaves idle. Then the tests marked `alone` by
-# themselves: the rest of the system tier (clusters, compiles and restarts that take both cores)
-# and schemathesis's.
+# First the unit and integration tiers on two workers (pytest-xdist), each module whole in one of
+# them. Then the tests marked `alone` (the system tier's clusters, compiles and restarts, and
+# schemathesis's), and beside them, at the lowest CPU priority (scripts/lowest-priority), the
+# system tier's `in_process` modules (long computations in their own process, no services, no
+# deadline): they run on what the `alone` tests leave idle while they wait on the broker and on
+# killed processes, and their report follows the `alone` one.
 # DeepInfer's source (and SGLang's), whose plain-torch references the V4.1 tests compare against:
 # fetched once from PyPI, checked against pinned hashes (scripts/fetch-reference)
 REFERENCE := .cache/reference/.fetched
@@ -49,9 +50,16 @@ $(REFERENCE): scripts/fetch-reference
 	scripts/fetch-reference all >/dev/null
 	touch $@
 
+BESIDE_LOG := .cache/test-in-process.log
+
 test: lint $(REFERENCE)
 	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 DEEPMESH_REQUIRE_REFERENCE=1 && \
-	$(BIN)/pytest -n 2 --dist loadfile -m "not alone" --durations=15 && $(BIN)/pytest -m alone --durations=15
+	$(BIN)/pytest -n 2 --dist loadfile -m "not alone and not in_process" --durations=15 && \
+	{ env -u DEEPMESH_KAFKA_BOOTSTRAP scripts/lowest-priority $(BIN)/pytest -m in_process --durations=10 \
+		>$(BESIDE_LOG) 2>&1 & } && \
+	{ beside_pid=$$!; trap 'kill -- -$$beside_pid 2>/dev/null' INT TERM; \
+	  $(BIN)/pytest -m alone --durations=15; alone=$$?; wait $$beside_pid; beside=$$?; \
+	  echo "== the in_process tests, run beside: $(BESIDE_LOG) =="; cat $(BESIDE_LOG); exit $$((alone || beside)); }
 
 # the unit tier alone: no stack, under 90 s
 test-unit: $(INSTALLED) $(REFERENCE)

@@ -46,8 +46,8 @@ BROKER_NAMES = pytest.StashKey[BrokerNames]()
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The system tier runs alone (after the parallel part of `make test`): its clusters, compiles
     and restarts take both cores, and its tests wait on deadlines that a neighbour would miss.
-    Its `in_process` modules (long computations in the test's own process, no deadline) run in
-    the parallel part, on the cores the integration tier leaves idle while it waits on the broker."""
+    Its `in_process` tests (long computations in the test's own process, no deadline) run beside
+    it at the lowest CPU priority (the Makefile), on what its waits on the broker leave idle."""
     for item in items:
         if SYSTEM_TIER in item.path.parents and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.alone)
@@ -68,7 +68,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """A serial run that holds the compiled-decode tests compiles their graphs ahead, on the core
     its other tests leave idle (tests/support/compiled_models.py). Under pytest-xdist, whose
     workers keep both cores busy, the module compiles them itself."""
-    if "PYTEST_XDIST_WORKER" in os.environ or not any(item.path == COMPILED_DECODE for item in session.items):
+    compiled_by_inductor = [
+        item for item in session.items if item.path == COMPILED_DECODE and item.get_closest_marker("in_process") is None
+    ]
+    if "PYTEST_XDIST_WORKER" in os.environ or not compiled_by_inductor:
         return
     session.config.stash[BACKGROUND_COMPILE] = BackgroundCompile()
 

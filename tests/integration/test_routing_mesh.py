@@ -25,14 +25,21 @@ from tests.support.mesh_client import collect, submit
 MODEL = "deepmesh-tiny"
 
 
-@pytest.fixture(scope="module", params=["memory", "kafka"])
-def replicated(request, tiny_preset, tmp_path_factory):
+# both buses on DeepSeek-V4; V4.1 (whose follow-ups reuse a conversation up to its last KEEP
+# tokens) on the in-process one: the transport is the same for both families
+SETUPS = [("memory", "deepseek_v4"), ("kafka", "deepseek_v4"), ("memory", "deepseek_v41")]
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=["-".join(setup) for setup in SETUPS])
+def replicated(request, tmp_path_factory):
     """A mesh with a second prefill and a second decode replica: the first ones' engines share
     their weights, each with state of its own."""
-    bus: Bus = MemoryBus() if request.param == "memory" else KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
+    transport, family = request.param
+    model = request.getfixturevalue("tiny_preset" if family == "deepseek_v4" else "tiny_v41_preset")
+    bus: Bus = MemoryBus() if transport == "memory" else KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
     prefix = f"route{uuid.uuid4().hex[:8]}."
-    mesh = Mesh(tiny_preset, bus, scratch_store(tmp_path_factory.mktemp("state")), topic_prefix=prefix, partitions=4)
-    mesh.prefix = prefix
+    mesh = Mesh(model, bus, scratch_store(tmp_path_factory.mktemp("state")), topic_prefix=prefix, partitions=4)
+    mesh.prefix, mesh.model = prefix, model
     model, weights = mesh.prefill.engine.model, mesh.prefill.engine.weights
     second_prefill = PrefillWorker(bus, prefix, LLMEngine(model, weights=weights), mesh.store, replicas=mesh.replicas)
     second_decode = DecodeWorker(
@@ -64,12 +71,16 @@ def loaded_from_cache_service() -> float:
     return REGISTRY.get_sample_value("deepmesh_prefix_cache_tokens_total", {"outcome": "hit"}) or 0.0
 
 
-def test_a_follow_up_goes_back_to_the_replica_that_holds_its_conversation(replicated, tiny_preset):
+def test_a_follow_up_goes_back_to_the_replica_that_holds_its_conversation(replicated):
     """Turn 1's prompt stays in its prefill replica's memory, and decode sends the finished
     answer's state back there: the follow-up, routed to that replica, starts from the whole
-    conversation with no load from the cache service, and answers as one process would."""
+    conversation (V4.1: from the longest part of it before its own last KEEP tokens) with no
+    load from the cache service, and answers as one process would."""
     mesh = replicated
-    first = chat("Tell me about replicas, partitions and the routers that choose between them. " * 4)
+    # V4.1: a first turn long enough that a block of it lies before the follow-up's last KEEP tokens
+    # (the random models' 8-token answers to these prompts encode back to the tokens they generated)
+    repeats = 24 if mesh.prefill.engine.reusable_prefix(1000) < 1000 else 4
+    first = chat("Tell me about replicas, partitions and the routers that choose between them. " * repeats)
     job = submit(mesh, "chat.completions", first)
     answer = collect(mesh, {job})[job][-1].body["choices"][0]["message"]["content"]
     follow_up = chat("And then?", [*first["messages"], {"role": "assistant", "content": answer}])
@@ -84,8 +95,10 @@ def test_a_follow_up_goes_back_to_the_replica_that_holds_its_conversation(replic
     while max(held()) <= turn_1:
         assert time.monotonic() < deadline, f"no replica reports the answered conversation: {held()}"
         time.sleep(0.05)
-    expected = max(held())
-    holder = mesh.prefills[held().index(expected)]
+    holder = mesh.prefills[held().index(max(held()))]
+    # what the holder may start from: all it holds (V4), or its longest prefix before the kept tokens (V4.1)
+    expected = holder.engine.resident_tokens("default", prompt)
+    assert 0 < expected <= holder.engine.reusable_prefix(len(prompt))
     hits_before, loaded_before = [p.engine.resident.hits for p in mesh.prefills], loaded_from_cache_service()
     job = submit(mesh, "chat.completions", follow_up)
     body = collect(mesh, {job})[job][-1].body
@@ -94,7 +107,7 @@ def test_a_follow_up_goes_back_to_the_replica_that_holds_its_conversation(replic
     assert loaded_from_cache_service() == loaded_before
     assert body["usage"]["prompt_tokens"] == len(prompt)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
-    assert body["choices"] == one_process_answer(tiny_preset, follow_up)["choices"]
+    assert body["choices"] == one_process_answer(mesh.model, follow_up)["choices"]
 
 
 def test_jobs_spread_over_both_replicas_of_each_stage(replicated):

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.blocks import BLOCK_SIZE
 from tests.support.behaviour import GREEDY, MODEL, one_process_answer
 from tests.support.infra import free_port, wait_until_up
 
@@ -75,7 +76,12 @@ def model(tiny_preset) -> Path:
     return tiny_preset
 
 
-def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(model, tmp_path):
+@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v41"])
+def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(family, request, tmp_path):
+    """On DeepSeek-V4.1 a prompt always computes its last KEEP (140) tokens: a repeat starts from
+    the last block boundary before them, and so does the second turn (from the first's blocks)."""
+    model = request.getfixturevalue("tiny_preset" if family == "deepseek_v4" else "tiny_v41_preset")
+    keep = 140 if family == "deepseek_v41" else 0
     serve = Serve(model, tmp_path).start()
     try:
         first = serve.chat(TURN_1)
@@ -86,12 +92,18 @@ def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(model, t
         serve.start()  # write-behind ran at the exit: every entry the catalog lists is on disk
         repeat = serve.chat(TURN_1)
         prompt_tokens = first["usage"]["prompt_tokens"]
-        assert cached(repeat) == prompt_tokens, "an identical repeat computes nothing"
+        if keep:
+            assert cached(repeat) == (prompt_tokens - keep) // BLOCK_SIZE * BLOCK_SIZE > 0
+        else:
+            assert cached(repeat) == prompt_tokens, "an identical repeat computes nothing"
         assert repeat["choices"][0]["message"] == first["choices"][0]["message"]
         turn_2 = [*TURN_1, first["choices"][0]["message"], {"role": "user", "content": "And consumer groups?"}]
         second = serve.chat(turn_2)
         resumed_at = cached(second)  # from the first turn's stored state: what will survive the kill
-        assert prompt_tokens < resumed_at < second["usage"]["prompt_tokens"]
+        if keep:
+            assert 0 < resumed_at <= second["usage"]["prompt_tokens"] - keep
+        else:
+            assert prompt_tokens < resumed_at < second["usage"]["prompt_tokens"]
         serve.stop(signal.SIGKILL)  # the second turn's own entries were in memory only
 
         serve.start()

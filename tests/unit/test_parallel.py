@@ -9,13 +9,14 @@ import pytest
 from tests.support.parallel import ids_run_once
 
 
-def item(nodeid: str, alone: bool = False) -> SimpleNamespace:
-    marker = pytest.mark.alone.mark if alone else None
-    return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: marker if name == "alone" else None)
+def item(nodeid: str, marker: str | None = None) -> SimpleNamespace:
+    mark = getattr(pytest.mark, marker).mark if marker else None
+    return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: mark if name == marker else None)
 
 
-def test_tests_sharing_an_id_are_named_unless_they_run_alone():
-    assert ids_run_once([item("a::t"), item("a::u"), item("a::t"), item("b::v", True), item("b::v", True)]) == ["a::t"]
+def test_tests_sharing_an_id_are_named_unless_one_pytest_runs_them_all():
+    together = [item("b::v", "alone"), item("b::v", "alone"), item("c::w", "in_process"), item("c::w", "in_process")]
+    assert ids_run_once([item("a::t"), item("a::u"), item("a::t"), *together]) == ["a::t"]
     assert ids_run_once([item("a::t"), item("a::u")]) == []
 
 
