@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+from engine_vs_transformers import compiled_beside, rates, run_engine  # this folder's: its runs, timed alike
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine
 from engine.checkpoint.make_model import make_model
 from engine.state_cache import StateLayout
 
@@ -66,26 +67,6 @@ def step_bytes(model: torch.nn.Module, batch: int) -> int:
     return total
 
 
-def run(engine: LLMEngine, prompts: torch.Tensor, new_tokens: int) -> tuple[list[list[int]], float, float]:
-    """Greedy tokens, prefill tokens/s and decode tokens/s of one batch."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts.tolist()):
-        engine.add_request(str(i), prompt, params)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    start, stamps = time.perf_counter(), []
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        produced = [out for out in outputs if out.new_token_ids]
-        for out in produced:
-            tokens[out.request_id] += out.new_token_ids
-        if produced:
-            stamps.append(time.perf_counter())
-    batch, prompt_len = prompts.shape
-    prefill = batch * prompt_len / (stamps[0] - start)
-    decode = batch * (new_tokens - 1) / (stamps[-1] - stamps[0])
-    return [tokens[str(i)] for i in range(batch)], prefill, decode
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help=f"a V4.1 checkpoint (default: .cache/models/{PRESET}, made)")
@@ -109,14 +90,10 @@ def main() -> None:
     parameters = sum(p.numel() for p in eager.model.parameters())
     print(f"checkpoint {args.model} ({parameters / 1e6:.0f}M parameters, fp32), prompt truncation KEEP {args.keep}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if not args.no_compile:
-        compiled = LLMEngine(eager.model, weights=eager.weights, compile_decode=True, **options)
-        if compiled.wait_compiled():  # steady state: every bucket's graph, compiled or loaded from the cache
-            graphs = compiled.compiled_decode
-            print(f"decode graphs for batches {graphs.buckets} ready in {graphs.warm_up_seconds:.1f} s")
-            engines["compiled"] = compiled
+    if not args.no_compile and (compiled := compiled_beside(eager, options)) is not None:
+        engines["compiled"] = compiled
     for engine in engines.values():
-        run(engine, torch.randint(3, config.vocab_size, (2, 64)), 4)  # warm-up
+        run_engine(engine, torch.randint(3, config.vocab_size, (2, 64)), 4)  # warm-up
 
     header = f"{'batch':>5} | {'engine':>8} | {'prefill tok/s':>13} | {'decode tok/s':>12} | {'of floor':>8}"
     print(f"\n{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n{header}\n{'-' * len(header)}")
@@ -130,8 +107,8 @@ def main() -> None:
         floors = []
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                tokens, prefill, decode = run(engine, prompts, args.new_tokens)
-                rounds[name].append((prefill, decode))
+                tokens, start, times = run_engine(engine, prompts, args.new_tokens)
+                rounds[name].append(rates(batch, args.prompt_len, start, times))
                 outputs[name].append(tokens)
             floors.append(batch * read_bandwidth() / step_bytes(eager.model, batch))
         floor = statistics.median(floors)

@@ -157,6 +157,17 @@ def matmul_floor(model, batch: int, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+def compiled_beside(eager: LLMEngine, options: dict) -> LLMEngine | None:
+    """An engine over the eager one's model whose decode steps all run through their compiled graphs
+    (compiled, or loaded from the Inductor cache, before it returns); None where none compiles."""
+    compiled = LLMEngine(eager.model, weights=eager.weights, compile_decode=True, **options)
+    if not compiled.wait_compiled():
+        return None
+    graphs = compiled.compiled_decode
+    print(f"decode graphs for batches {graphs.buckets} ready in {graphs.warm_up_seconds:.1f} s")
+    return compiled
+
+
 def rates(batch: int, prompt_len: int, start: float, times: list[float]) -> tuple[float, float]:
     prefill = batch * prompt_len / (times[0] - start)
     decode = batch * (len(times) - 1) / (times[-1] - times[0])
@@ -186,12 +197,8 @@ def main() -> None:
     config = eager.config
     print(f"checkpoint {args.model} ({sum(p.numel() for p in eager.model.parameters()) / 1e6:.0f}M parameters, fp32)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if not args.no_compile:
-        compiled = LLMEngine(eager.model, weights=eager.weights, compile_decode=True, **options)
-        if compiled.wait_compiled():  # steady state: every bucket's graph, compiled or loaded from the cache
-            graphs = compiled.compiled_decode
-            print(f"decode graphs for batches {graphs.buckets} ready in {graphs.warm_up_seconds:.1f} s")
-            engines["compiled"] = compiled
+    if not args.no_compile and (compiled := compiled_beside(eager, options)) is not None:
+        engines["compiled"] = compiled
     reference = DeepseekV4ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
 
     warm = torch.randint(0, config.vocab_size, (2, 64))
