@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -79,21 +79,28 @@ requires_reference = pytest.mark.skipif(
 
 
 @functools.cache
-def _fetch() -> subprocess.CompletedProcess[str]:
-    """scripts/fetch-reference, run at most once a process whatever it answers."""
-    return subprocess.run([str(FETCH_SCRIPT)], capture_output=True, text=True, check=False)
+def _fetch(*args: str) -> subprocess.CompletedProcess[str]:
+    """scripts/fetch-reference with these arguments, run at most once a process whatever it answers."""
+    return subprocess.run([str(FETCH_SCRIPT), *args], capture_output=True, text=True, check=False)
+
+
+def fetched(name: str, directory: Path, present: Callable[[], bool], *args: str) -> Path:
+    """`directory`, where `present()` finds the reference `name` unpacked: fetched first by
+    `scripts/fetch-reference ARGS` if it is missing (a fresh clone)."""
+    if not present():
+        result = _fetch(*args)
+        if result.returncode != 0 or not present():
+            command = " ".join([str(FETCH_SCRIPT), *args])
+            raise ReferenceUnavailableError(
+                f"the {name} reference is not in {directory} and `{command}` failed "
+                f"(exit {result.returncode}): {result.stderr.strip() or result.stdout.strip() or 'no output'}"
+            )
+    return directory
 
 
 def deepinfer_root() -> Path:
     """The unpacked DeepInfer 0.1.0 source tree, fetched first if it is missing (a fresh clone)."""
-    if not reference_present():
-        fetched = _fetch()
-        if fetched.returncode != 0 or not reference_present():
-            raise ReferenceUnavailableError(
-                f"the DeepInfer 0.1.0 reference is not in {REFERENCE_DIR} and {FETCH_SCRIPT} failed "
-                f"(exit {fetched.returncode}): {fetched.stderr.strip() or fetched.stdout.strip() or 'no output'}"
-            )
-    return REFERENCE_DIR
+    return fetched("DeepInfer 0.1.0", REFERENCE_DIR, reference_present)
 
 
 class _Unavailable:

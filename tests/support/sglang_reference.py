@@ -30,19 +30,13 @@ import ast
 import copy
 import functools
 import importlib
-import subprocess
 import sys
 import types
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tests.support.deepinfer_reference import (
-    FETCH_SCRIPT,
-    ReferenceUnavailableError,
-    StubbedKernelError,
-    _Unavailable,
-)
+from tests.support.deepinfer_reference import StubbedKernelError, _Unavailable, fetched
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_DIR = ROOT / ".cache" / "reference" / "sglang-0.5.23"
@@ -56,22 +50,9 @@ def sglang_present() -> bool:
     return (SGLANG_DIR / "sglang" / "srt").is_dir()
 
 
-@functools.cache
-def _fetch() -> subprocess.CompletedProcess[str]:
-    """`scripts/fetch-reference sglang`, run at most once a process whatever it answers."""
-    return subprocess.run([str(FETCH_SCRIPT), "sglang"], capture_output=True, text=True, check=False)
-
-
 def sglang_root() -> Path:
     """The unzipped SGLang 0.5.23 wheel (its `sglang/` package is below it), fetched if missing."""
-    if not sglang_present():
-        fetched = _fetch()
-        if fetched.returncode != 0 or not sglang_present():
-            raise ReferenceUnavailableError(
-                f"the SGLang 0.5.23 reference is not in {SGLANG_DIR} and `{FETCH_SCRIPT} sglang` failed "
-                f"(exit {fetched.returncode}): {fetched.stderr.strip() or fetched.stdout.strip() or 'no output'}"
-            )
-    return SGLANG_DIR
+    return fetched("SGLang 0.5.23", SGLANG_DIR, sglang_present, "sglang")
 
 
 class _SglangStub(_Unavailable):
