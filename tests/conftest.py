@@ -124,13 +124,6 @@ def tiny_v41_preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("preset-v41") / "tiny-v41", "tiny-v41", seed=1)
 
 
-@pytest.fixture(params=["deepseek_v4", "deepseek_v41"], scope="session")
-def family_preset(request: pytest.FixtureRequest) -> Path:
-    """Each model family's tiny preset in turn: for the tests that hold on both."""
-    name = "tiny_preset" if request.param == "deepseek_v4" else "tiny_v41_preset"
-    return request.getfixturevalue(name)
-
-
 @pytest.fixture(scope="session")
 def tiny_checkpoint(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["tiny-preset"]

@@ -21,6 +21,7 @@ from prefill_svc.worker import PrefillWorker
 from tests.support.behaviour import one_process_answer
 from tests.support.infra import require_service, scratch_store
 from tests.support.mesh_client import collect, submit
+from tests.support.models import family_preset
 
 MODEL = "deepmesh-tiny"
 
@@ -35,7 +36,7 @@ def replicated(request, tmp_path_factory):
     """A mesh with a second prefill and a second decode replica: the first ones' engines share
     their weights, each with state of its own."""
     transport, family = request.param
-    model = request.getfixturevalue("tiny_preset" if family == "deepseek_v4" else "tiny_v41_preset")
+    model = family_preset(request, family)
     bus: Bus = MemoryBus() if transport == "memory" else KafkaBus(require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
     prefix = f"route{uuid.uuid4().hex[:8]}."
     mesh = Mesh(model, bus, scratch_store(tmp_path_factory.mktemp("state")), topic_prefix=prefix, partitions=4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from transformers import GenerationConfig
@@ -129,3 +130,9 @@ def decode_to_end(engine: LLMEngine) -> dict[str, list[int]]:
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return tokens
+
+
+def family_preset(request: pytest.FixtureRequest, family: str) -> Path:
+    """The tiny preset of a model family ("deepseek_v4" or "deepseek_v41"), written once a session
+    (tests/conftest.py): for the tests that hold on both families."""
+    return request.getfixturevalue("tiny_preset" if family == "deepseek_v4" else "tiny_v41_preset")

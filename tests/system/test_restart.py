@@ -22,6 +22,7 @@ import pytest
 from common.blocks import BLOCK_SIZE
 from tests.support.behaviour import GREEDY, MODEL, one_process_answer
 from tests.support.infra import free_port, wait_until_up
+from tests.support.models import family_preset
 
 TURN_1 = [{"role": "user", "content": "Tell me about Kafka partitions and offsets. " * 60}]
 
@@ -80,7 +81,7 @@ def model(tiny_preset) -> Path:
 def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(family, request, tmp_path):
     """On DeepSeek-V4.1 a prompt always computes its last KEEP (140) tokens: a repeat starts from
     the last block boundary before them, and so does the second turn (from the first's blocks)."""
-    model = request.getfixturevalue("tiny_preset" if family == "deepseek_v4" else "tiny_v41_preset")
+    model = family_preset(request, family)
     keep = 140 if family == "deepseek_v41" else 0
     serve = Serve(model, tmp_path).start()
     try:
