@@ -69,5 +69,8 @@ class Settings(BaseSettings):
     files_dir: str = ".cache/files"
     batch_in_flight: int = 64
     batch_round_seconds: float = 1.0
+    # distributed, a request left `sending` this long is taken as lost with the runner that was
+    # producing it, and sent again (gateway/batch_runner.py)
+    batch_resend_after_seconds: float = 30.0
     # how long a stored response (Responses' `store`, the default) is kept for GET and previous_response_id
     responses_keep_seconds: float = 30 * 86400

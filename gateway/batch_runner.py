@@ -62,8 +62,10 @@ class BatchRunner:
         resend_sent: bool = False,
         resend_after: float = RESEND_AFTER_SECONDS,
     ):
-        """`resend_sent`: the first round sends again every request whose job has not ended (the
-        embedded mode's in-process bus loses what was in it when the process stopped)."""
+        """`resend_sent`: the first round sends again every request whose job has not ended, sent
+        or still `sending` (embedded: the in-process bus lost what was in it when the process
+        stopped, and no other runner is producing). `resend_after`: later rounds take a request
+        `sending` this long as lost with the runner that was producing it."""
         self.jobs, self.files, self.send, self.cancel = jobs, files, send, cancel
         self.batches = BatchStore(jobs.session)
         self.in_flight = in_flight
@@ -75,6 +77,7 @@ class BatchRunner:
         send more, and finalise the batches with nothing left to run."""
         if self.resend_sent:
             self._resend(SENT, older_than=time.time())
+            self._resend(SENDING, older_than=time.time())
             self.resend_sent = False
         self._resend(SENDING, older_than=time.time() - self.resend_after)
         self._validate()

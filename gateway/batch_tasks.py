@@ -74,7 +74,14 @@ def runner() -> BatchRunner:
     jobs = JobStore(settings.database_url)
     dispatcher = Dispatcher(bus, settings.topic_prefix)
     files = FileStore(jobs.session, settings.files_dir)
-    return BatchRunner(jobs, files, dispatcher.send, dispatcher.cancel, settings.batch_in_flight)
+    return BatchRunner(
+        jobs,
+        files,
+        dispatcher.send,
+        dispatcher.cancel,
+        settings.batch_in_flight,
+        resend_after=settings.batch_resend_after_seconds,
+    )
 
 
 @app.task(name="deepmesh.batches.advance")

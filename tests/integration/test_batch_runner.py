@@ -101,6 +101,29 @@ def test_requests_the_broker_did_not_take_are_sent_again(setup):
     assert store.counts(batch.id) == {"succeeded": 6}
 
 
+def test_a_restarted_embedded_runner_sends_at_once_all_its_predecessor_left_unfinished(setup):
+    """Embedded, the runner is the only one and its bus died with the process: the next process's
+    first round sends again what was `sent` and what was still `sending`, without waiting
+    `resend_after` (which is for a distributed runner that may still be producing)."""
+    jobs, broker, runner, store = setup
+    batch = store.create("anthropic", "acme", "messages", requests=requests("a", 6))
+    broker.fail_after = 2
+    with pytest.raises(ConnectionError):
+        runner.advance()
+    assert store.counts(batch.id) == {"sent": 2, "sending": 4}
+    broker.fail_after = None
+    restarted = BatchRunner(jobs, runner.files, broker.send, lambda job_id: None, 6, resend_sent=True)
+    assert restarted.resend_after > 0
+    restarted.advance()
+    assert len(broker.sent) == 2 + 6 and len({job_id for _, job_id in broker.sent}) == 6
+    assert store.counts(batch.id) == {"sent": 6}
+    restarted.advance()  # once only
+    assert len(broker.sent) == 8
+    answer(jobs, sorted({job_id for _, job_id in broker.sent}))
+    restarted.advance()
+    assert store.counts(batch.id) == {"succeeded": 6}
+
+
 def test_a_batch_past_its_window_expires_keeping_what_finished(setup):
     jobs, broker, runner, store = setup
     batch = store.create("anthropic", "acme", "messages", requests=requests("a", 10))

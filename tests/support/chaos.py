@@ -267,8 +267,14 @@ def run_jobs(url: str, bodies: list[dict], expected: list[tuple[str, str]], time
                 outcome.add("failed", f"job {i}: {job['status']}")
                 continue
             choice = job["result"]["choices"][0]
-            with httpx.stream("GET", f"{url}/v1/jobs/{job_id}/events", timeout=60) as response:
-                chunks = [json.loads(d) for n, d in sse_events(response) if n is None and d != "[DONE]"]
+            # read whole, and again if the gateway is killed meanwhile, as a client that retries would
+            events = _retrying(
+                lambda j=job_id: httpx.get(f"{url}/v1/jobs/{j}/events", timeout=60), outcome, lock, deadline
+            )
+            if events is None:
+                outcome.add("failed", f"job {i}: its events were never replayed")
+                continue
+            chunks = [json.loads(d) for n, d in sse_events(events) if n is None and d != "[DONE]"]
             replayed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
             if (choice["message"]["content"], choice["finish_reason"]) != expected[i] or replayed != expected[i][0]:
                 outcome.add("wrong", f"job {i}: {choice['message']['content']!r} / replayed {replayed!r}")

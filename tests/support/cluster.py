@@ -42,6 +42,8 @@ class Cluster:
             "DEEPMESH_FILES_DIR": str(root / "files"),
             "DEEPMESH_REDIS_URL": require_service("DEEPMESH_REDIS_URL"),
             "DEEPMESH_BATCH_ROUND_SECONDS": "0.5",
+            # a Celery worker killed mid-round leaves requests `sending`: sent again soon
+            "DEEPMESH_BATCH_RESEND_AFTER_SECONDS": "3",
             # a killed worker's partitions move after 3 s instead of 10
             "DEEPMESH_KAFKA_SESSION_TIMEOUT_MS": str(SESSION_TIMEOUT_MS),
         }
