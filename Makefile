@@ -37,12 +37,13 @@ lint: $(INSTALLED)
 # by scripts/stack (left running, so the next run starts in seconds; `make stack-down` stops them).
 # Tiers: tests/unit (no subprocess, network or broker), tests/integration (the stack, the mesh
 # embedded), tests/system (services as processes, compiled engines, the reference matrices).
-# First the unit and integration tiers on two workers (pytest-xdist), each module whole in one of
-# them. Then the tests marked `alone` (the system tier's clusters, compiles and restarts, and
-# schemathesis's), and beside them, at the lowest CPU priority (scripts/lowest-priority), the
-# system tier's `in_process` modules (long computations in their own process, no services, no
-# deadline): they run on what the `alone` tests leave idle while they wait on the broker and on
-# killed processes, and their report follows the `alone` one.
+# Two lanes at once. In front: the unit and integration tiers on two workers (pytest-xdist), each
+# module whole in one of them, then the tests marked `alone` (the system tier's clusters, compiles
+# and restarts, and schemathesis's). Behind, from the start, at the lowest CPU priority
+# (scripts/lowest-priority), on two workers too: the system tier's `in_process` modules (long
+# computations in their own process, no services, no deadline). They run on what the front lane
+# leaves idle while it waits on the broker, on timeouts and on killed processes; their report
+# follows the front's.
 # DeepInfer's source (and SGLang's), whose plain-torch references the V4.1 tests compare against:
 # fetched once from PyPI, checked against pinned hashes (scripts/fetch-reference)
 REFERENCE := .cache/reference/.fetched
@@ -50,16 +51,16 @@ $(REFERENCE): scripts/fetch-reference
 	scripts/fetch-reference all >/dev/null
 	touch $@
 
-BESIDE_LOG := .cache/test-in-process.log
+BEHIND_LOG := .cache/test-in-process.log
 
 test: lint $(REFERENCE)
 	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 DEEPMESH_REQUIRE_REFERENCE=1 && \
-	$(BIN)/pytest -n 2 --dist loadfile -m "not alone and not in_process" --durations=15 && \
-	{ env -u DEEPMESH_KAFKA_BOOTSTRAP scripts/lowest-priority $(BIN)/pytest -m in_process --durations=10 \
-		>$(BESIDE_LOG) 2>&1 & } && \
-	{ beside_pid=$$!; trap 'kill -- -$$beside_pid 2>/dev/null' INT TERM; \
-	  $(BIN)/pytest -m alone --durations=15; alone=$$?; wait $$beside_pid; beside=$$?; \
-	  echo "== the in_process tests, run beside: $(BESIDE_LOG) =="; cat $(BESIDE_LOG); exit $$((alone || beside)); }
+	{ env -u DEEPMESH_KAFKA_BOOTSTRAP scripts/lowest-priority \
+		$(BIN)/pytest -n 2 --dist loadfile -m in_process --durations=10 >$(BEHIND_LOG) 2>&1 & } && \
+	{ behind_pid=$$!; trap 'kill -- -$$behind_pid 2>/dev/null' INT TERM; \
+	  $(BIN)/pytest -n 2 --dist loadfile -m "not alone and not in_process" --durations=15 && \
+	  $(BIN)/pytest -m alone --durations=15; front=$$?; wait $$behind_pid; behind=$$?; \
+	  echo "== the in_process tests, run behind: $(BEHIND_LOG) =="; cat $(BEHIND_LOG); exit $$((front || behind)); }
 
 # the unit tier alone: no stack, under 90 s
 test-unit: $(INSTALLED) $(REFERENCE)

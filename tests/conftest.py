@@ -15,7 +15,6 @@ import torch
 
 from engine import LLMEngine
 from engine.checkpoint.make_model import write_checkpoint
-from tests.support.compiled_models import BACKGROUND_COMPILE, BackgroundCompile
 from tests.support.infra import BrokerNames
 from tests.support.leftovers import mark_this_run, wait_for_leftovers
 from tests.support.models import PARITY_CONFIGS
@@ -38,7 +37,7 @@ STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
 
 
 SYSTEM_TIER = Path(__file__).resolve().parent / "system"
-COMPILED_DECODE = SYSTEM_TIER / "test_compiled_decode.py"
+LONGEST_MODULE = SYSTEM_TIER / "test_compiled_decode.py"
 BROKER_NAMES = pytest.StashKey[BrokerNames]()
 
 
@@ -46,13 +45,13 @@ BROKER_NAMES = pytest.StashKey[BrokerNames]()
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The system tier runs alone (after the parallel part of `make test`): its clusters, compiles
     and restarts take both cores, and its tests wait on deadlines that a neighbour would miss.
-    Its `in_process` tests (long computations in the test's own process, no deadline) run beside
-    it at the lowest CPU priority (the Makefile), on what its waits on the broker leave idle."""
+    Its `in_process` tests (long computations in the test's own process, no deadline) run behind
+    the rest from the start, at the lowest CPU priority (the Makefile), on what it leaves idle."""
     for item in items:
         if SYSTEM_TIER in item.path.parents and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.alone)
-    # last, so that the graphs compiled ahead (pytest_collection_finish) are ready when it starts
-    items.sort(key=lambda item: item.path == COMPILED_DECODE)
+    # the longest module first: on workers, one started last would run on alone at the end
+    items.sort(key=lambda item: item.path != LONGEST_MODULE)
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
 
@@ -64,23 +63,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         session.config.stash[BROKER_NAMES] = names
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """A serial run that holds the compiled-decode tests compiles their graphs ahead, on the core
-    its other tests leave idle (tests/support/compiled_models.py). Under pytest-xdist, whose
-    workers keep both cores busy, the module compiles them itself."""
-    compiled_by_inductor = [
-        item for item in session.items if item.path == COMPILED_DECODE and item.get_closest_marker("in_process") is None
-    ]
-    if "PYTEST_XDIST_WORKER" in os.environ or not compiled_by_inductor:
-        return
-    session.config.stash[BACKGROUND_COMPILE] = BackgroundCompile()
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Fail the run if a process one of its tests started is still alive (and end it); delete
     the topics and consumer groups its tests made."""
-    if (background := session.config.stash.get(BACKGROUND_COMPILE, None)) is not None:
-        background.stop()  # a run stopped before the module: no longer needed
     found = wait_for_leftovers(THIS_RUN, STACK_DIR)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     names = session.config.stash.get(BROKER_NAMES, None)

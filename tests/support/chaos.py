@@ -50,7 +50,8 @@ def expected_answers(model: Path, bodies: list[dict]) -> list[tuple[str, str]]:
 
 
 def start_cluster(root: Path, model: Path, replicas: int = 2) -> Cluster:
-    cluster = Cluster(root, model).start()
+    """Every service but the batch runner (no batches here), with `replicas` of each worker."""
+    cluster = Cluster(root, model).start(("cache", "gateway", "tokenizer", "prefill", "decode"))
     for kind in WORKERS:
         for _ in range(replicas - 1):
             cluster.spawn(kind)

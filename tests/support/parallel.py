@@ -8,9 +8,8 @@ from typing import Any
 
 
 def ids_run_once(items: Iterable[Any]) -> list[str]:
-    """The ids that more than one test shares, outside the tests marked `alone` or `in_process`
-    (each run by one pytest of its own): the workers receive tests by id, so of several under one
-    id only one would run, and no one would know."""
-    single = ("alone", "in_process")
-    counts = Counter(item.nodeid for item in items if not any(item.get_closest_marker(marker) for marker in single))
+    """The ids that more than one test shares, outside the tests marked `alone` (run by one pytest
+    of their own): the workers receive tests by id, so of several under one id only one would run,
+    and no one would know."""
+    counts = Counter(item.nodeid for item in items if not item.get_closest_marker("alone"))
     return sorted(nodeid for nodeid, n in counts.items() if n > 1)

@@ -22,7 +22,7 @@ from tests.support.models import (
     stored_tensors,
 )
 
-pytestmark = pytest.mark.in_process  # no services, no deadline: beside the alone part
+pytestmark = pytest.mark.in_process  # no services, no deadline: behind the other tests
 
 QUANTS = {
     "bf16": ("none", "ue8m0"),

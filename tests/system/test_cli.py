@@ -1,6 +1,6 @@
 """The `deepmesh` command: make-model, inspect, generate and serve, run as a user would. The
-commands that compute and exit (no services, no deadline) are `in_process`: they run beside the
-`alone` part of `make test`, at the lowest priority; `serve` runs alone."""
+commands that compute and exit (no services, no deadline) are `in_process`: `make test` runs
+them behind the other tests, at the lowest priority; `serve` runs alone."""
 
 from __future__ import annotations
 

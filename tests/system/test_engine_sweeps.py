@@ -15,7 +15,7 @@ import pytest
 from engine import LLMEngine, SamplingParams, StateSnapshot
 from tests.support.models import PARITY_CONFIGS, all_state_free, decode_to_end, prefill_and_export, random_prompts
 
-pytestmark = pytest.mark.in_process  # no services, no deadline: beside the alone part
+pytestmark = pytest.mark.in_process  # no services, no deadline: behind the other tests
 
 LENGTHS = (1, 17, 129, 300, 520)
 GREEDY_24 = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

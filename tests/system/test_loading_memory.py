@@ -12,7 +12,7 @@ import pytest
 
 from engine.checkpoint.make_model import preset_config, write_checkpoint
 
-pytestmark = pytest.mark.in_process  # no services, no deadline: beside the alone part
+pytestmark = pytest.mark.in_process  # no services, no deadline: behind the other tests
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from transformers import DeepseekV4ForCausalLM
 from engine import LLMEngine, SamplingParams
 from tests.support.models import NEW_TOKENS, PARITY_CONFIGS, random_prompts, reference_greedy
 
-pytestmark = pytest.mark.in_process  # no services, no deadline: beside the alone part
+pytestmark = pytest.mark.in_process  # no services, no deadline: behind the other tests
 
 LENGTHS = (1, 5, 17, 129, 300)
 

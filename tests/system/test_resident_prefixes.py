@@ -16,7 +16,7 @@ from engine.state_cache import BlockAllocator
 from tests.support.models import decode_to_end as run_to_end
 from tests.support.models import random_prompts
 
-pytestmark = pytest.mark.in_process  # no services, no deadline: beside the alone part
+pytestmark = pytest.mark.in_process  # no services, no deadline: behind the other tests
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
