@@ -24,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# one torch thread in every process of the cluster, as in the tests (tests/conftest.py): with a
+# thread per core in each of a dozen processes, every parallel op waits for a core another holds
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _stack_env() -> None:

@@ -226,8 +226,8 @@ def _compile_decode(args: argparse.Namespace, settings) -> bool:
     if compile_decode:
         logging.getLogger("engine.compiled_decode").setLevel(logging.INFO)
         print(
-            "compiling the decode step in the background, one graph per batch size (about two minutes each "
-            "for the tiny preset on two cores the first time; later starts load them from .cache/torchinductor); "
+            "compiling the decode step in the background, one graph per batch size (minutes the first time; "
+            "later starts load them from .cache/torchinductor); "
             "requests are answered meanwhile, eager; --no-compile: no graphs",
             file=sys.stderr,
         )
