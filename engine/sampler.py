@@ -139,7 +139,13 @@ def _cdf(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def _draw(cdf: torch.Tensor, seq: Sequence, draw: int) -> int:
     """The index the row's `draw`-th uniform at its position lands on (the position identifies it)."""
-    u = counter_uniform(seq.seed, seq.num_tokens, draw) * cdf[-1]
+    return draw_index(cdf, seq.seed, seq.num_tokens, draw)
+
+
+def draw_index(cdf: torch.Tensor, seed: int, position: int, draw: int = 0) -> int:
+    """The index the `draw`-th uniform of (seed, position) lands on, in an unnormalised cumulative
+    distribution."""
+    u = counter_uniform(seed, position, draw) * cdf[-1]
     return int(torch.searchsorted(cdf, u.unsqueeze(0), right=True).clamp(max=cdf.shape[0] - 1))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import counter_uniform
+from engine.sampler import counter_uniform, draw_index
 
 ACCEPT_DRAW = 1_000_003  # the accept test's draw at a position; draw 0 chooses its token, as without drafts
 
@@ -65,6 +65,4 @@ def verify_sampled(
 
 def _draw(weights: torch.Tensor, seed: int, position: int) -> int:
     """The token the position's draw-0 uniform lands on, under these (unnormalised) weights."""
-    cdf = weights.double().cumsum(dim=0)
-    u = counter_uniform(seed, position, 0) * float(cdf[-1])
-    return int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True).clamp(max=cdf.shape[0] - 1))
+    return draw_index(weights.double().cumsum(dim=0), seed, position)

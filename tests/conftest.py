@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SYSTEM_TIER in item.path.parents and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.alone)
-    # the longest module first: on workers, one started last would run on alone at the end
+    # the longest module first: on workers, started last it would run alone at the end
     items.sort(key=lambda item: item.path != LONGEST_MODULE)
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")

@@ -25,7 +25,7 @@ from gateway.jobs import JobStore
 from tests.support.behaviour import GREEDY, MODEL, QUESTION, protocol_error_message, scripted_gateway
 
 # schemathesis collects a test per operation, all under one id: pytest-xdist would run one of them.
-# (Beside the `alone` tests, at the lowest priority, it took 62 s instead of 21: they run it.)
+# (Behind the other tests, at the lowest priority, it took 62 s instead of 21: it runs with `alone`.)
 pytestmark = pytest.mark.alone
 
 EXAMPLES = int(os.environ.get("DEEPMESH_FUZZ_EXAMPLES", "30"))  # per operation; more in a soak
