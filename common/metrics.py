@@ -36,6 +36,8 @@ WORKER_ERRORS = Counter("deepmesh_worker_errors", "Worker steps that failed and 
 ENGINE_STEP_SECONDS = Histogram("deepmesh_engine_step_seconds", "Engine step time", ["service"], buckets=STEP_BUCKETS)
 PROMPT_TOKENS = Counter("deepmesh_prompt_tokens", "Prompt tokens prefilled", ["service"])
 GENERATED_TOKENS = Counter("deepmesh_generated_tokens", "Tokens sampled", ["service"])
+SPEC_DRAFT_TOKENS = Counter("deepmesh_spec_draft_tokens", "Drafted tokens a decode step verified", ["method"])
+SPEC_ACCEPTED_TOKENS = Counter("deepmesh_spec_accepted_tokens", "Drafted tokens the target accepted", ["method"])
 RUNNING_JOBS = Gauge("deepmesh_running_jobs", "Jobs held by a worker", ["service"])
 DECODE_GRAPHS = Gauge(
     "deepmesh_decode_graphs",

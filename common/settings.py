@@ -30,6 +30,13 @@ class Settings(BaseSettings):
     # decode running eager meanwhile (about two minutes a batch-size bucket for the tiny preset on
     # two cores), loaded from .cache/torchinductor after
     compile_decode: bool = True
+    # speculative decoding in decode steps (engine/speculation.py): auto, off, mtp (V4's
+    # multi-token-prediction module) or dspark; auto drafts where the checkpoint has a drafter
+    # and while its drafts are accepted often enough to pay. speculative_tokens drafts a step;
+    # no speculation in a step of more than speculative_max_batch sequences
+    speculative: Literal["auto", "off", "mtp", "dspark"] = "auto"
+    speculative_tokens: int = 3
+    speculative_max_batch: int = 4
     served_model_name: str = "deepmesh-tiny"
     # whether a chat request that does not say (thinking, reasoning_effort, chat_template_kwargs)
     # reasons before its answer: off, as vLLM and SGLang serve DeepSeek's models, so that clients

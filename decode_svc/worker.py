@@ -197,6 +197,10 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
         elapsed = time.perf_counter() - started
         metrics.ENGINE_STEP_SECONDS.labels(self.group).observe(elapsed)
         self.step_time.observe(elapsed)
+        if self.engine.last_step_drafted:
+            method = self.engine.speculative_method
+            metrics.SPEC_DRAFT_TOKENS.labels(method).inc(self.engine.last_step_drafted)
+            metrics.SPEC_ACCEPTED_TOKENS.labels(method).inc(self.engine.last_step_accepted)
         step: list[tuple[Envelope, dict[str, bytes]]] = []
         finished: list[tuple[str, _Job, str, StateSnapshot | None]] = []
         for out in outputs:

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="reason before answering when a request does not say (default: no; DEEPMESH_DEFAULT_THINKING)",
     )
     _compile_flag(serve)
+    _speculative_flags(serve)
     serve.set_defaults(run=_serve)
 
     # distributed mode: one service per process, configured from DEEPMESH_* (common/settings.py)
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
             service.add_argument("--metrics-port", type=int, default=None, help="/metrics port (DEEPMESH_METRICS_PORT)")
         if name == "decode":
             _compile_flag(service)
+            _speculative_flags(service)
         if name == "cache":
             service.add_argument(
                 "action", nargs="?", choices=["serve", "stats"], default="serve", help="stats: print the cache's state"
@@ -219,6 +221,29 @@ def _compile_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _speculative_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        choices=["auto", "off", "mtp", "dspark"],
+        default=None,
+        help="draft tokens and verify them in one decode step: mtp (V4's multi-token-prediction module), "
+        "auto (where the checkpoint has one and its drafts pay), off (default: DEEPMESH_SPECULATIVE, auto)",
+    )
+    parser.add_argument(
+        "--speculative-tokens", type=int, default=None, help="tokens drafted a step (DEEPMESH_SPECULATIVE_TOKENS, 3)"
+    )
+
+
+def _speculation(args: argparse.Namespace, settings) -> dict:
+    """The decode engine's speculation options, from the flags or else the settings."""
+    tokens = settings.speculative_tokens if args.speculative_tokens is None else args.speculative_tokens
+    return {
+        "speculative": args.speculative or settings.speculative,
+        "speculative_tokens": tokens,
+        "speculative_max_batch": settings.speculative_max_batch,
+    }
+
+
 def _compile_decode(args: argparse.Namespace, settings) -> bool:
     """Whether decode steps run compiled; when they do, says on stderr what happens meanwhile and
     lets the compiler's one line per graph through whatever the log level."""
@@ -268,6 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
         maintenance_seconds=settings.cache_maintenance_seconds,
         resident_prefix_bytes=settings.resident_prefix_bytes,
         compile_decode=_compile_decode(args, settings),
+        speculation=_speculation(args, settings),
         default_thinking=settings.default_thinking if args.default_thinking is None else args.default_thinking,
     )
     mesh.start([mesh.tokenizer])
@@ -394,7 +420,8 @@ def _service(args: argparse.Namespace) -> int:
         return 0
     replicas = _replica_table(bus, settings.topic_prefix)
     compile_decode = _compile_decode(args, settings) if args.command == "decode" else False
-    worker = _make_worker(args.command, bus, settings, model, replicas, compile_decode)
+    speculation = _speculation(args, settings) if args.command == "decode" else {}
+    worker = _make_worker(args.command, bus, settings, model, replicas, compile_decode, speculation)
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
     if metrics_port:
         from prometheus_client import start_http_server
@@ -557,7 +584,9 @@ def _context_length(model: Path) -> int | None:
         return None
 
 
-def _make_worker(command: str, bus, settings, model: Path, replicas, compile_decode: bool = False):
+def _make_worker(
+    command: str, bus, settings, model: Path, replicas, compile_decode: bool = False, speculation: dict | None = None
+):
     if command == "tokenizer":
         from tokenizer_svc.protocol import Codec
         from tokenizer_svc.worker import TokenizerWorker
@@ -570,7 +599,9 @@ def _make_worker(command: str, bus, settings, model: Path, replicas, compile_dec
 
     # decode never starts from a prefix, so it keeps none resident
     resident = settings.resident_prefix_bytes if command == "prefill" else 0
-    engine = LLMEngine.from_pretrained(model, resident_prefix_bytes=resident, compile_decode=compile_decode)
+    engine = LLMEngine.from_pretrained(
+        model, resident_prefix_bytes=resident, compile_decode=compile_decode, **(speculation or {})
+    )
     retention = Retention.from_settings(settings)
     if command == "prefill":
         from prefill_svc.worker import PrefillWorker

@@ -39,6 +39,7 @@ class Mesh:
         maintenance_seconds: float = 2.0,
         compile_decode: bool = False,
         default_thinking: bool = False,
+        speculation: dict | None = None,
         **engine_options,
     ):
         model_path = Path(model_path)
@@ -46,12 +47,14 @@ class Mesh:
         create_all(bus, topic_prefix, partitions)
         prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
         # one copy of the weights; decode never starts from a prefix, so it keeps none resident
-        # only the decode engine runs decode steps (prefill samples one token per request)
+        # only the decode engine runs decode steps (prefill samples one token per request), and
+        # only it speculates
         decode_options = {
             **engine_options,
             "resident_prefix_bytes": 0,
             "grammars": prefill_engine.grammars,
             "compile_decode": compile_decode,
+            **(speculation or {}),
         }
         decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **decode_options)
         codec = Codec.for_model(model_path, served_model, default_thinking)

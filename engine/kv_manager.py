@@ -37,8 +37,11 @@ class KVManager:
         state_memory_bytes: int,
         resident_prefix_bytes: int,
         weights: str,
+        lookahead: int = 0,
+        draft_layers: int = 0,
     ):
-        """`num_blocks`: None sizes the block pool from `state_memory_bytes` (LLMEngine's arguments)."""
+        """`num_blocks`: None sizes the block pool from `state_memory_bytes` (LLMEngine's arguments);
+        `lookahead`, `draft_layers`: room for drafted tokens and a drafter's rings (StateCache)."""
         self.device = device
         self.dtype = dtype
         if num_blocks is None:
@@ -49,7 +52,7 @@ class KVManager:
                 cache_probe.layout.block_bytes, 1
             )
             num_blocks = max(1, min(wanted, affordable))
-        self.cache = StateCache(config, num_blocks, max_num_seqs, dtype, device)
+        self.cache = StateCache(config, num_blocks, max_num_seqs, dtype, device, lookahead, draft_layers)
         self.resident = ResidentPrefixes(resident_prefix_bytes)
         self.cache.block_allocator.on_reuse = self.resident.block_reused
         self.layout = layout_id(config, dtype, weights)
@@ -72,7 +75,7 @@ class KVManager:
             num_computed=seq.num_computed,
             seed=seq.seed,
             blocks=self.cache.read_blocks(seq.block_table[:n_blocks]),
-            slot=self.cache.read_slot(seq.slot),
+            slot=self.cache.read_slot(seq.slot, seq.num_computed),
             last_hidden=seq.last_hidden,
         )
         # the same state, where it already is: in this engine's blocks (tier 0)
@@ -105,7 +108,7 @@ class KVManager:
         seq.block_table = [self.cache.block_allocator.allocate() for _ in range(n_blocks)]
         if n_blocks:
             self.cache.write_blocks(seq.block_table, snapshot.blocks)
-        self.cache.write_slot(seq.slot, {k: v.to(self.device) for k, v in snapshot.slot.items()})
+        self.cache.write_slot(seq.slot, {k: v.to(self.device) for k, v in snapshot.slot.items()}, snapshot.num_computed)
         seq.num_computed = snapshot.num_computed
         if snapshot.last_hidden is not None:
             seq.last_hidden = snapshot.last_hidden.to(self.device, self.dtype)
@@ -144,7 +147,7 @@ class KVManager:
             table.append(copy)
         seq.block_table = table
         seq.slot = self.cache.allocate_slot()
-        self.cache.write_slot(seq.slot, entry.slot)
+        self.cache.write_slot(seq.slot, entry.slot, cached)
         seq.num_computed, seq.last_hidden = cached, entry.last_hidden
         self.resident.hits += 1
 

@@ -21,6 +21,7 @@ from engine.checkpoint import load_model, weights_id
 from engine.compiled_decode import CompiledDecode
 from engine.config import ModelConfig
 from engine.config_v41 import V41Config
+from engine.drafter import MtpDrafter
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.grammar import GrammarCompiler, consume
 from engine.kv_manager import KVManager
@@ -28,9 +29,10 @@ from engine.model import DeepseekV4ForCausalLM
 from engine.model.v41 import DeepseekV41ForCausalLM
 from engine.model_runner import ModelRunner
 from engine.resident_prefixes import ResidentPrefixes
-from engine.sampler import Sampler
+from engine.sampler import Sampler, target_probabilities, top_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
+from engine.speculation import SPECULATIVE_MODES, SpeculationSwitch, verify_greedy, verify_sampled
 from engine.state_cache import StateCache
 from engine.state_transfer import SnapshotError, StateSnapshot
 
@@ -52,6 +54,9 @@ class LLMEngine:
         grammars: GrammarCompiler | None = None,
         compile_decode: bool = False,
         on_compile_progress: Callable[[int, int], None] | None = None,
+        speculative: str = "off",
+        speculative_tokens: int = 3,
+        speculative_max_batch: int = 4,
     ):
         """`weights` names the checkpoint (engine.checkpoint.weights_id): part of the state layout, so that
         state is only ever shared between engines running the same weights.
@@ -64,7 +69,11 @@ class LLMEngine:
         `compile_decode`: run decode steps as compiled graphs (engine/compiled_decode.py), compiled
         or loaded from the disk cache on a background thread from here on: steps run eager until
         their batch's graph is ready (`wait_compiled` blocks until all are), and always where
-        compiling is unavailable. `on_compile_progress(ready, planned)` hears of each graph ready."""
+        compiling is unavailable. `on_compile_progress(ready, planned)` hears of each graph ready.
+        `speculative`: draft `speculative_tokens` tokens a step and verify them in the next
+        (engine/speculation.py): "mtp" with V4's multi-token-prediction module, "auto" where the
+        checkpoint has one and while what it drafts is accepted often enough, "off"; never for a
+        step of more than `speculative_max_batch` sequences."""
         self.model = model
         self.config: ModelConfig | V41Config = model.config
         self.device = model.lm_head.weight.device
@@ -72,6 +81,11 @@ class LLMEngine:
         self.max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
+        drafting = _speculation_method(model, speculative)
+        self.speculation = SpeculationSwitch(speculative if drafting else "off", speculative_max_batch)
+        self.speculative_tokens = speculative_tokens if drafting else 0
+        if drafting and speculative_tokens < 1:
+            raise ValueError(f"speculative_tokens must be at least 1, got {speculative_tokens}")
         self.kv = KVManager(
             self.config,
             self.dtype,
@@ -82,7 +96,10 @@ class LLMEngine:
             state_memory_bytes=state_memory_bytes,
             resident_prefix_bytes=resident_prefix_bytes,
             weights=weights,
+            lookahead=self.speculative_tokens,
+            draft_layers=len(model.mtp) if drafting else 0,
         )
+        self.drafter = MtpDrafter(model, self.kv.cache) if drafting else None
         self.runner = ModelRunner(
             model,
             self.kv.cache,
@@ -100,6 +117,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random()
         self.last_step_tokens = 0  # tokens the last step computed (a prefill worker measures its speed)
+        self.last_step_drafted = self.last_step_accepted = 0  # drafts the last step verified, and accepted
         self.weights = weights
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
@@ -134,6 +152,11 @@ class LLMEngine:
             config = model.config
             kwargs["grammars"] = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids[0])
         return cls(model, weights=weights_id(path), **kwargs)
+
+    @property
+    def speculative_method(self) -> str | None:
+        """The drafter's method ("mtp"), or None where the engine does not draft."""
+        return "mtp" if self.drafter is not None else None
 
     @property
     def backend(self) -> object:
@@ -367,12 +390,24 @@ class LLMEngine:
         computed = [seq for seq in self.scheduler.running if seq.num_pending == 0]
         batch = self.scheduler.schedule()
         self.last_step_tokens = sum(batch.num_tokens) if batch else 0
+        self.last_step_drafted = self.last_step_accepted = 0
         sampled = [seq for seq in computed if seq in self.scheduler.running]  # not preempted to make room
         rows = [seq.last_hidden for seq in sampled]
         decoded = None  # what the compiled decode step computed, if this step ran it
+        drafting = batch is not None and self._drafts_this_step(batch)
+        verified: list[tuple[Sequence, torch.Tensor]] = []  # sequences with drafts, and their rows
         if batch is not None:
-            last, decoded = self.runner.forward(batch.seqs, batch.num_tokens)
+            if drafting:
+                drafts = [[] if batch.is_prefill else seq.drafts for seq in batch.seqs]
+                all_rows, streams = self.runner.forward_rows(batch.seqs, batch.num_tokens, drafts)
+                last = torch.stack([r[n - 1] for r, n in zip(all_rows, batch.num_tokens, strict=True)])
+                starts = [seq.num_computed for seq in batch.seqs]
+            else:
+                last, decoded = self.runner.forward(batch.seqs, batch.num_tokens)
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+                if drafting and seq.drafts and not batch.is_prefill:
+                    verified.append((seq, all_rows[i]))  # computed as far as the target accepts
+                    continue
                 seq.num_computed += n
                 seq.last_hidden = last[i]
                 if seq.snapshot_at and seq.num_computed == seq.snapshot_at[0]:
@@ -382,37 +417,125 @@ class LLMEngine:
                 if seq.num_computed == seq.num_tokens:
                     sampled.append(seq)
                     rows.append(last[i])
-        if not sampled:
-            return outputs
+        if sampled:
+            outputs += self._sample(sampled, rows, batch.seqs if batch else [], decoded)
+        if verified:
+            outputs += self._accept_drafts(verified)
+        if drafting:
+            self._draft(batch.seqs, streams, starts)
+        elif batch is not None:
+            for seq in batch.seqs:
+                seq.drafts = []
+        return outputs
+
+    def _sample(
+        self, sampled: list[Sequence], rows: list[torch.Tensor], step_seqs: list[Sequence], decoded: object
+    ) -> list[RequestOutput]:
+        """Choose each sampled sequence's next token, from its last hidden state `rows`."""
         matchers = [seq.matcher for seq in sampled]
         grammars = self.grammars.step(matchers) if any(m is not None for m in matchers) else None
-        tokens, logprobs, tops = self.runner.sample(sampled, rows, grammars, batch.seqs if batch else [], decoded)
+        tokens, logprobs, tops = self.runner.sample(sampled, rows, grammars, step_seqs, decoded)
+        outputs = []
         for seq, token, logprob, top in zip(sampled, tokens, logprobs, tops, strict=True):
             if seq.matcher is not None:
                 consume(seq.matcher, token)
-            seq.output_token_ids.append(token)
-            seq.output_logprobs.append(logprob)
-            reason = self._finish_reason(seq, token)
-            final_state = None
-            if reason:
-                if seq.params.keep_final_state:  # everything but the last token, which was never computed
-                    final_state = self.kv.snapshot(seq)
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-                self.scheduler.remove(seq)
-                del self.seqs[seq.request_id]
-            outputs.append(
-                RequestOutput(
-                    seq.request_id,
-                    [token],
-                    [logprob],
-                    finished=reason is not None,
-                    finish_reason=reason,
-                    num_prompt_tokens=len(seq.prompt_token_ids),
-                    final_state=final_state,
-                    new_top_logprobs=[top] if top is not None else None,
-                )
-            )
+            outputs.append(self._emit(seq, [token], [logprob], [top]))
         return outputs
+
+    def _emit(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[int, float]] | None],
+        verified_rows: torch.Tensor | None = None,
+    ) -> RequestOutput:
+        """Append a step's new tokens to a sequence, up to the first that ends it, and finish it there.
+        `verified_rows`: the hidden states of a verify step's rows, of which the pending token's and
+        the kept drafts' (all but the last new token's) are now computed."""
+        reason = None
+        for count, token in enumerate(tokens, 1):
+            seq.output_token_ids.append(token)
+            seq.output_logprobs.append(logprobs[count - 1])
+            if reason := self._finish_reason(seq, token):
+                break
+        if verified_rows is not None:
+            seq.num_computed, seq.last_hidden = seq.num_computed + count, verified_rows[count - 1]
+        final_state = None
+        if reason:
+            if seq.params.keep_final_state:  # everything but the last token, which was never computed
+                final_state = self.kv.snapshot(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            self.scheduler.remove(seq)
+            del self.seqs[seq.request_id]
+        return RequestOutput(
+            seq.request_id,
+            tokens[:count],
+            logprobs[:count],
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            final_state=final_state,
+            new_top_logprobs=tops[:count] if tops[0] is not None else None,
+        )
+
+    # -- speculative decoding -----------------------------------------------------------------
+
+    def _drafts_this_step(self, batch: object) -> bool:
+        """Whether this step runs with the drafter: it computes every row's streams for it, and in a
+        decode step verifies the drafts."""
+        if self.drafter is None:
+            return False
+        if batch.is_prefill:
+            return not self.speculation.is_off
+        return self.speculation.speculates(len(batch.seqs))
+
+    def _accept_drafts(self, verified: list[tuple[Sequence, torch.Tensor]]) -> list[RequestOutput]:
+        """Verify each sequence's drafts against the target's rows [1 + k, hidden] (its pending token's,
+        then each draft's): the drafts it accepts and the token it adds after them are the step's
+        new tokens (engine/speculation.py), and the rows up to the last accepted draft its computed ones."""
+        outputs = []
+        for seq, hidden in verified:
+            logits = self.model.compute_logits(hidden)
+            drafts, params = seq.drafts, seq.params
+            if params.greedy:
+                verdict = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
+            else:
+                target = torch.stack([target_probabilities(row, params) for row in logits])  # one row at a time
+                verdict = verify_sampled(target, drafts, None, seq.seed, seq.num_tokens)
+            normalizer = logits.logsumexp(dim=-1)
+            rows = torch.arange(len(verdict.tokens))
+            chosen = logits[rows, torch.tensor(verdict.tokens)] - normalizer[rows]
+            tops = top_logprobs(logits[rows], normalizer[rows], [seq] * len(rows))
+            outputs.append(self._emit(seq, verdict.tokens, chosen.tolist(), tops, verified_rows=hidden))
+            self.last_step_drafted += len(drafts)
+            self.last_step_accepted += verdict.accepted
+        self.speculation.record(self.last_step_drafted, self.last_step_accepted, len(verified))
+        return outputs
+
+    def _draft(self, seqs: list[Sequence], streams: list[torch.Tensor], starts: list[int]) -> None:
+        """Give the drafter the rows this step computed that the target keeps; it drafts the next
+        step's tokens of the sequences still running."""
+        running = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        kept = [streams[i][: seqs[i].num_computed - starts[i]] for i in running]
+        wanted = [self._draft_count(seqs[i]) for i in running]
+        self.drafter.advance([seqs[i] for i in running], kept, [starts[i] for i in running], wanted)
+
+    def _draft_count(self, seq: Sequence) -> int:
+        """How many tokens to draft for a sequence: none where the target's choice must be made one
+        token at a time (a grammar, a token still held back by min_tokens), nor for a seeded sampled
+        request, whose tokens would then depend on whether its steps speculated, that is on what
+        was batched with it; and no draft past max_tokens or the model length."""
+        params = seq.params
+        generated = len(seq.output_token_ids)
+        if (
+            params.grammar is not None
+            or generated < params.min_tokens
+            or (not params.greedy and params.seed is not None)
+        ):
+            return 0
+        room = min(params.max_tokens - generated, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.speculative_tokens, room))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -590,3 +713,16 @@ def _snapshot_positions(positions: SequenceOf[int], prompt_len: int) -> list[int
     if bad:
         raise InvalidRequestError(f"snapshot positions must be in [1, {prompt_len - 1}], got {bad[:5]}")
     return sorted(set(positions))
+
+
+def _speculation_method(model: torch.nn.Module, mode: str) -> bool:
+    """Whether the engine drafts at all: "mtp" needs the checkpoint's multi-token-prediction
+    module, "auto" uses it where there is one."""
+    if mode not in SPECULATIVE_MODES:
+        raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
+    if mode == "dspark":
+        raise ValueError("DSpark (DeepSeek-V4.1's drafter) is not supported yet; use --speculative off")
+    has_mtp = isinstance(model, DeepseekV4ForCausalLM) and len(model.mtp) > 0
+    if mode == "mtp" and not has_mtp:
+        raise ValueError("--speculative mtp needs a checkpoint with a multi-token-prediction module (mtp.0.*)")
+    return mode != "off" and has_mtp

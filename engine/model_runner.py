@@ -71,19 +71,46 @@ class ModelRunner:
         decode_shaped = all(n == 1 for n in num_tokens) and not in_truncated_prompt
         if compiled is not None and decode_shaped and compiled.is_ready(len(seqs)):
             return self._compiled_step(compiled, seqs)
-        slices, token_ids, ends, contexts = [], [], [], []
-        for seq, n in zip(seqs, num_tokens, strict=True):
+        step = self._eager_step(
+            seqs,
+            [
+                seq.tokens_between(seq.num_computed, seq.num_computed + n)
+                for seq, n in zip(seqs, num_tokens, strict=True)
+            ],
+        )
+        ends = torch.tensor(num_tokens).cumsum(0) - 1
+        return self.model(step, self.cache)[
+            ends.to(self.device)
+        ].clone(), None  # each sequence's last token of the step
+
+    def forward_rows(
+        self, seqs: list[Sequence], num_tokens: list[int], drafts: list[list[int]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Compute each sequence's scheduled tokens and then its drafts, eager: per sequence, every
+        row's final hidden state [n, hidden] and residual streams [n, hc_mult, hidden] (what a
+        verify step accepts from and the drafter drafts from)."""
+        tokens = [
+            seq.tokens_between(seq.num_computed, seq.num_computed + n) + extra
+            for seq, n, extra in zip(seqs, num_tokens, drafts, strict=True)
+        ]
+        hidden, streams = self.model.forward_with_streams(self._eager_step(seqs, tokens), self.cache)
+        lengths = [len(t) for t in tokens]
+        return list(hidden.split(lengths)), list(streams.split(lengths))
+
+    def _eager_step(self, seqs: list[Sequence], tokens: list[list[int]]) -> StepInput:
+        """The step computing `tokens[i]` at seqs[i]'s next positions."""
+        slices, token_ids, contexts = [], [], []
+        for seq, chunk in zip(seqs, tokens, strict=True):
             keep_from = max(0, len(seq.prompt_token_ids) - self.keep_tokens) if self.keep_tokens else 0
-            slices.append(SeqSlice(seq.slot, seq.num_computed, n, list(seq.block_table), keep_from))
-            token_ids.extend(seq.tokens_between(seq.num_computed, seq.num_computed + n))
-            ends.append(len(token_ids) - 1)
+            slices.append(SeqSlice(seq.slot, seq.num_computed, len(chunk), list(seq.block_table), keep_from))
+            token_ids.extend(chunk)
             if self.ngram_context:
                 before = seq.tokens_between(max(0, seq.num_computed - self.ngram_context), seq.num_computed)
-                contexts.append(ngram_context(before, token_ids[len(token_ids) - n :], self.ngram_context))
+                contexts.append(ngram_context(before, chunk, self.ngram_context))
         step = StepInput.of(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
         if contexts:
             step.ngram_context = torch.cat(contexts).to(self.device)
-        return self.model(step, self.cache)[ends].clone(), None  # each sequence's last token of the step
+        return step
 
     def _compiled_step(self, compiled: CompiledDecode, seqs: list[Sequence]) -> tuple[torch.Tensor, DecodeOutput]:
         tokens = [seq.tokens_between(seq.num_computed, seq.num_computed + 1) for seq in seqs]

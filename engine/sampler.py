@@ -75,7 +75,7 @@ class Sampler:
         Logprobs are those of the model's own distribution, before temperature, filters and grammars.
         """
         normalizer = logits.logsumexp(dim=-1) if normalizer is None else normalizer
-        tops = _top_logprobs(logits, normalizer, seqs)
+        tops = top_logprobs(logits, normalizer, seqs)
         if held_back := self._held_back(seqs):  # after the logprobs: those are the model's own
             logits = logits.clone()
             for i, ids in held_back.items():
@@ -134,7 +134,12 @@ def _cdf(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """A sampled row's cumulative distribution over token ids, after temperature and filters.
     One row at a time: a row's draw must not depend on the rows batched with it (a cumulative
     sum over a batch rounds differently from one over a single row; on a CPU it is slower too)."""
-    return _filter(logits / params.temperature, params.top_k, params.top_p).softmax(dim=-1).cumsum(dim=-1)
+    return target_probabilities(logits, params).cumsum(dim=-1)
+
+
+def target_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A sampled row's distribution over token ids [..., V], after temperature and filters (one row)."""
+    return _filter(logits / params.temperature, params.top_k, params.top_p).softmax(dim=-1)
 
 
 def _draw(cdf: torch.Tensor, seq: Sequence, draw: int) -> int:
@@ -160,7 +165,7 @@ def _pick(logits: torch.Tensor, allowed: torch.Tensor, seq: Sequence, draw: int)
     return int(allowed[_draw(_cdf(subset, seq.params), seq, draw)])
 
 
-def _top_logprobs(
+def top_logprobs(
     logits: torch.Tensor, normalizer: torch.Tensor, seqs: list[Sequence]
 ) -> list[list[tuple[int, float]] | None]:
     """The `params.logprobs` most likely tokens of each row that asks, with their logprobs."""

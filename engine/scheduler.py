@@ -131,7 +131,8 @@ class Scheduler:
                 continue
             if self.hold_low_priority and seq.params.priority:
                 continue
-            if self._reserve(seq, seq.num_tokens, protect=seqs):
+            # and room for the rows of its drafts, which a verify step computes past its tokens
+            if self._reserve(seq, seq.num_tokens + len(seq.drafts), protect=seqs):
                 seqs.append(seq)
         return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 

@@ -97,6 +97,13 @@ class Sequence:
     matcher: Any = None  # params.grammar's llguidance matcher, at the output so far
     # the final hidden state of the last computed token (a row of the step that computed it)
     last_hidden: torch.Tensor | None = None
+    # speculative decoding (engine/drafter.py): the tokens drafted to follow the pending one,
+    # which the next step verifies; the drafter's rows cover positions [draft_floor, draft_upto)
+    # and it holds the main model's streams of the computed positions after those
+    drafts: list[int] = field(default_factory=list)
+    draft_floor: int = 0
+    draft_upto: int = 0
+    draft_streams: torch.Tensor | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -66,3 +66,47 @@ def verify_sampled(
 def _draw(weights: torch.Tensor, seed: int, position: int) -> int:
     """The token the position's draw-0 uniform lands on, under these (unnormalised) weights."""
     return draw_index(weights.double().cumsum(dim=0), seed, position)
+
+
+SPECULATIVE_MODES = ("auto", "off", "mtp", "dspark")
+
+
+class SpeculationSwitch:
+    """Whether a decode step speculates.
+
+    Never above `max_batch` sequences: verifying k drafts costs little more than one token only
+    while a step is bound by reading the weights; a large batch is bound by its compute, and
+    drafts there cost more than they save. `auto` also measures what the drafts buy: over the
+    last `window` drafted tokens, at least `min_accepted` accepted per drafting sequence and
+    step, or it stops drafting, and tries again after `retry_after` steps (a drafter with
+    random weights accepts almost nothing and is soon off).
+    """
+
+    def __init__(self, mode: str, max_batch: int, min_accepted: float = 0.5, window: int = 256, retry_after: int = 512):
+        self.mode, self.max_batch, self.min_accepted = mode, max_batch, min_accepted
+        self.window, self.retry_after = window, retry_after
+        self._drafted = self._accepted = self._verified = 0
+        self._off_for = 0
+
+    def speculates(self, batch_size: int) -> bool:
+        if self.mode == "off" or batch_size > self.max_batch:
+            return False
+        if self._off_for:
+            self._off_for -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, accepted: int, verified: int) -> None:
+        """A step verified `verified` sequences' `drafted` drafts, of which it accepted `accepted`."""
+        self._drafted += drafted
+        self._accepted += accepted
+        self._verified += verified
+        if self.mode == "auto" and self._drafted >= self.window:
+            if self._accepted < self.min_accepted * self._verified:
+                self._off_for = self.retry_after
+            self._drafted = self._accepted = self._verified = 0
+
+    @property
+    def is_off(self) -> bool:
+        """Off for now: the steps run as if there were no drafter."""
+        return self.mode == "off" or self._off_for > 0

@@ -9,8 +9,17 @@ Two kinds of state, following the attention structure (see ARCHITECTURE.md):
   reference counted so that the prefix cache can share them between sequences.
 * **Slots** hold what is bounded per sequence: the sliding-window ring (the last W
   keys of every layer) and each compressor's pending tokens (projections of the tokens
-  of the window not yet closed, plus, for CSA, the previous window's half that the next
+  of the window not yet closed, plus, for CSA, the previous window, half of which the next
   entry overlaps with).
+
+Slot state is kept in rings addressed by position: position p of a sequence sits at
+p % size, and a reader asks for the positions it needs. With speculative decoding a step
+computes drafted tokens the target may reject; `lookahead` rows more in every ring leave
+room for them (DeepInfer's backtracking tokens): a rejected row's write lands where no
+accepted token's reader looks, and is overwritten before anyone does, so a rejected draft
+needs no undo. A slot's state leaves the engine (`read_slot`) as the positions it holds up
+to the computed length, in rings of the plain size, whatever the lookahead: snapshots, hand
+overs and the prefix cache never see the room or a rejected row.
 
 Every layer's state is a tensor of its own (not a view into one shared pool): a compiled
 decode step writes it in place, which a compiler can do for a tensor but not, without
@@ -85,7 +94,9 @@ class BlockAllocator:
 
 @dataclass
 class CompressorState:
-    """One compressor's state: its entries (its part of every block) and its per-slot pending tokens.
+    """One compressor's state: its entries (its part of every block) and its per-slot rings of the
+    projections of the latest tokens: the open window's and, for CSA, the previous window's, whose
+    first series the next entry overlaps with.
 
     `width` is the projection width per token: 2 * dim for the overlapping CSA series, dim for HCA.
     """
@@ -94,14 +105,27 @@ class CompressorState:
     dim: int
     overlap: bool
     entries: torch.Tensor  # [num_blocks + 1, BLOCK_SIZE // rate, dim]
-    pending_kv: torch.Tensor | None  # [max_seqs + 1, rate, width]; None: no open window to keep
-    pending_gate: torch.Tensor | None  # [max_seqs + 1, rate, width], position bias already added
-    prev_kv: torch.Tensor | None  # [max_seqs + 1, rate, dim]: first series of the last closed window (CSA)
-    prev_gate: torch.Tensor | None
+    ring_kv: torch.Tensor | None  # [max_seqs + 1, ring, width] by position % ring; None: no open window to keep
+    ring_gate: torch.Tensor | None  # [max_seqs + 1, ring, width], position bias already added
 
     @property
     def entries_per_block(self) -> int:
         return BLOCK_SIZE // self.rate
+
+    @property
+    def lookback(self) -> int:
+        """Tokens before a window its entry reads: the previous window (CSA's overlap), or none."""
+        return self.rate if self.overlap else 0
+
+    @property
+    def ring_size(self) -> int:
+        return self.ring_kv.shape[1]
+
+    def window_rows(self, entry_ids: torch.Tensor) -> torch.Tensor:
+        """Ring rows [n, lookback + rate] of the tokens each entry pools, the lookback first
+        (positions before 0 map to rows an entry 0 masks)."""
+        span = torch.arange(-self.lookback, self.rate, device=entry_ids.device)
+        return (entry_ids.unsqueeze(1) * self.rate + span) % self.ring_size
 
     def block_index(self, entry_ids: torch.Tensor) -> torch.Tensor:
         """Which of a sequence's blocks (position in its block table) holds each entry."""
@@ -195,7 +219,11 @@ class StateCache:
         max_seqs: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        lookahead: int = 0,
+        draft_layers: int = 0,
     ):
+        """`lookahead`: the most drafted tokens a step computes past a sequence's accepted ones;
+        `draft_layers`: window rings for a drafter's sliding-window layers, after the model's."""
         self.config = config
         self.layout = StateLayout(config, dtype)
         self.num_blocks = num_blocks
@@ -203,28 +231,30 @@ class StateCache:
         self.scratch_slot, self.scratch_block = max_seqs, num_blocks  # never handed out
         self.block_allocator = BlockAllocator(num_blocks)
         self._free_slots: deque[int] = deque(range(max_seqs))
+        self.lookahead = lookahead
         n_layers, window, head_dim = config.num_hidden_layers, config.sliding_window, config.head_dim
         slots = max_seqs + 1
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        # window[layer][slot, position % W] = shared key/value of that position
-        self.window = [zeros(slots, window, head_dim) for _ in range(n_layers)]
+        # window[layer][slot, position % (W + lookahead)] = shared key/value of that position;
+        # the rings past the model's layers are draft layers' (not part of the sequence's state)
+        ring = window + lookahead
+        self.window = [zeros(slots, ring, head_dim) for _ in range(n_layers + draft_layers)]
         self.compressors: dict[int, CompressorState] = {}
         self.indexers: dict[int, CompressorState] = {}
         self._entries: list[torch.Tensor] = []  # in block-row order
         for layer, role, rate, dim, overlap, pending in self.layout.compressors:
             width = 2 * dim if overlap else dim
+            ring = (2 * rate if overlap else rate) + lookahead
             state = CompressorState(
                 rate=rate,
                 dim=dim,
                 overlap=overlap,
                 entries=zeros(num_blocks + 1, BLOCK_SIZE // rate, dim),
-                pending_kv=zeros(slots, rate, width) if pending else None,
-                pending_gate=zeros(slots, rate, width) if pending else None,
-                prev_kv=zeros(slots, rate, dim) if overlap else None,
-                prev_gate=zeros(slots, rate, dim) if overlap else None,
+                ring_kv=zeros(slots, ring, width) if pending else None,
+                ring_gate=zeros(slots, ring, width) if pending else None,
             )
             self._entries.append(state.entries)
             (self.compressors if role == "compressor" else self.indexers)[layer] = state
@@ -259,34 +289,63 @@ class StateCache:
     def release_slot(self, slot: int) -> None:
         self._free_slots.append(slot)
 
-    def _slot_tensors(self) -> dict[str, torch.Tensor]:
-        """Every per-slot pool but the window rings by a stable name; index [slot] selects one sequence's part."""
-        pools = {}
+    def _slot_rings(self, slot: int, num_computed: int) -> list[tuple[str, torch.Tensor, int, torch.Tensor, int]]:
+        """One sequence's slot state by a stable name, as (name, its ring [ring, ...] (the window's a
+        copy, [ring, layers, d]; the others views), plain ring size, positions held at this computed
+        length, channels kept (0: all))."""
+        window, device = self.config.sliding_window, self.window[0].device
+        layers = torch.stack([ring[slot] for ring in self.window[: self.config.num_hidden_layers]], 1)
+        held = torch.arange(max(0, num_computed - window), num_computed, device=device)
+        rings = [("window", layers, window, held, 0)]
         for role, states in (("compressor", self.compressors), ("indexer", self.indexers)):
             for layer, state in states.items():
-                if state.pending_kv is not None:
-                    pools[f"{layer}.{role}.pending_kv"] = state.pending_kv
-                    pools[f"{layer}.{role}.pending_gate"] = state.pending_gate
-                if state.overlap:
-                    pools[f"{layer}.{role}.prev_kv"] = state.prev_kv
-                    pools[f"{layer}.{role}.prev_gate"] = state.prev_gate
-        return pools
+                if state.ring_kv is None:
+                    continue
+                opened = num_computed // state.rate * state.rate
+                pending = torch.arange(opened, num_computed, device=device)
+                closed = torch.arange(max(0, opened - state.rate), opened, device=device)
+                for part, pool in (("kv", state.ring_kv), ("gate", state.ring_gate)):
+                    rings.append((f"{layer}.{role}.pending_{part}", pool[slot], state.rate, pending, 0))
+                    if state.overlap:
+                        rings.append((f"{layer}.{role}.prev_{part}", pool[slot], state.rate, closed, state.dim))
+        return rings
 
     def slot_shapes(self) -> dict[str, tuple[int, ...]]:
-        rings = (len(self.window), *self.window[0].shape[1:])
-        return {"window": rings} | {name: tuple(pool.shape[1:]) for name, pool in self._slot_tensors().items()}
+        return {name: tuple(t.shape) for name, t in self.read_slot(self.scratch_slot, 0).items()}
 
-    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
-        """A copy of one sequence's slot state (window rings [layers, W, d], compressors' open windows)."""
-        rings = torch.stack([ring[slot] for ring in self.window])
-        return {"window": rings} | {name: pool[slot].clone() for name, pool in self._slot_tensors().items()}
+    def read_slot(self, slot: int, num_computed: int) -> dict[str, torch.Tensor]:
+        """A copy of one sequence's slot state at this computed length, in rings of the plain size
+        (window [layers, W, d]; compressors' open and previous windows [rate, width]), position p
+        at p % size, zeros where no position is held."""
+        state = {}
+        for name, ring, size, positions, channels in self._slot_rings(slot, num_computed):
+            held = ring[positions % ring.shape[0]]
+            held = held[..., :channels] if channels else held
+            plain = held.new_zeros(size, *held.shape[1:]).index_copy_(0, positions % size, held)
+            state[name] = plain.transpose(0, 1).contiguous() if name == "window" else plain
+        return state
 
-    def write_slot(self, slot: int, values: dict[str, torch.Tensor]) -> None:
-        """Set one sequence's slot state; `values` must have exactly `slot_shapes()`."""
-        for layer, ring in enumerate(self.window):
-            ring[slot] = values["window"][layer]
-        for name, pool in self._slot_tensors().items():
-            pool[slot] = values[name]
+    def write_slot(self, slot: int, values: dict[str, torch.Tensor], num_computed: int) -> None:
+        """Set one sequence's slot state at this computed length from `read_slot`'s form."""
+        for ring in self.window:
+            ring[slot] = 0
+        for states in (self.compressors, self.indexers):
+            for state in states.values():
+                if state.ring_kv is not None:
+                    state.ring_kv[slot] = 0
+                    state.ring_gate[slot] = 0
+        for name, ring, size, positions, channels in self._slot_rings(slot, num_computed):
+            rows = (
+                values[name].transpose(0, 1)[positions % size] if name == "window" else values[name][positions % size]
+            )
+            ring_rows = positions % ring.shape[0]
+            if name == "window":
+                for layer, layer_ring in enumerate(self.window[: self.config.num_hidden_layers]):
+                    layer_ring[slot, ring_rows] = rows[:, layer]
+            elif channels:
+                ring[ring_rows, :channels] = rows
+            else:
+                ring[ring_rows] = rows
 
     @staticmethod
     def blocks_needed(num_tokens: int) -> int:

@@ -315,7 +315,15 @@ def load_model(
         for buffer_name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.device != device:  # computed at build (V4.1's Engram hash tables)
                 setattr(module, buffer_name, buffer.to(device))
-    if plan.unused or len(model.mtp):
+    if len(model.mtp):
+        count = sum(len(pieces) for name, pieces in plan.pieces.items() if name.startswith("mtp."))
+        logger.info(
+            "%s: %d multi-token-prediction module(s) (mtp.*, %d tensors), the speculative decoding drafter",
+            path,
+            len(model.mtp),
+            count,
+        )
+    if plan.unused:
         logger.warning("%s: %s", path, unused_summary(plan))
     return model.eval()
 
@@ -323,12 +331,6 @@ def load_model(
 def unused_summary(plan: WeightPlan) -> str:
     """One line naming what the checkpoint holds that generation does not use."""
     parts = []
-    if len(plan.model.mtp):
-        count = sum(len(pieces) for name, pieces in plan.pieces.items() if name.startswith("mtp."))
-        parts.append(
-            f"{len(plan.model.mtp)} multi-token-prediction module(s) (mtp.*, {count} tensors) "
-            "loaded for speculative decoding, not used for generation yet"
-        )
     if plan.unused:
         shown = ", ".join(plan.unused[:10]) + (f" and {len(plan.unused) - 10} more" if len(plan.unused) > 10 else "")
         parts.append(f"ignored, no place in the model: {shown}")

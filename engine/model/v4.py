@@ -135,103 +135,104 @@ class Compressor(nn.Module):
         return apply_rope_(entries, cos, sin)
 
     def update_prefill(self, kv: torch.Tensor, gate: torch.Tensor, s: SeqSlice, state: CompressorState) -> None:
-        """Fold one sequence chunk's projections into the pending window, write every window it closes."""
-        m = self.rate
+        """Add one sequence chunk's projections to its ring; pool and write every window they close."""
+        m, ring = self.rate, state.ring_size
         window_start = (s.start // m) * m
-        pending = s.start - window_start
-        if pending:
-            kv = torch.cat([state.pending_kv[s.slot, :pending], kv])
-            gate = torch.cat([state.pending_gate[s.slot, :pending], gate])
-        n_windows = kv.shape[0] // m
-        closed = n_windows * m
-        left = kv.shape[0] - closed
+        begin = max(0, window_start - state.lookback)  # the earliest token a closing entry reads
+        before = torch.arange(begin, s.start, device=kv.device) % ring
+        kv = torch.cat([state.ring_kv[s.slot, before], kv])
+        gate = torch.cat([state.ring_gate[s.slot, before], gate])
+        n_windows = (s.start + s.length) // m - window_start // m
         if n_windows:
-            kv_w = kv[:closed].view(n_windows, m, -1)
-            gate_w = gate[:closed].view(n_windows, m, -1)
             first_entry = window_start // m
+            entry_ids = torch.arange(first_entry, first_entry + n_windows, device=kv.device)
+            offset = window_start - begin
             prev_kv = prev_gate = has_prev = None
             if self.overlap:
+                if offset < m:  # entry 0: nothing before it, masked by has_prev
+                    kv, gate = F.pad(kv, (0, 0, m, 0)), F.pad(gate, (0, 0, m, 0))
+                    offset += m
                 d = self.dim
-                prev_kv = torch.cat([state.prev_kv[s.slot : s.slot + 1], kv_w[:-1, :, :d]])
-                prev_gate = torch.cat([state.prev_gate[s.slot : s.slot + 1], gate_w[:-1, :, :d]])
-                has_prev = torch.arange(first_entry, first_entry + n_windows, device=kv.device) > 0
-                state.prev_kv[s.slot] = kv_w[-1, :, :d]
-                state.prev_gate[s.slot] = gate_w[-1, :, :d]
-            entry_ids = torch.arange(first_entry, first_entry + n_windows, device=kv.device)
+                prev_kv = kv[offset - m : offset - m + n_windows * m, :d].reshape(n_windows, m, d)
+                prev_gate = gate[offset - m : offset - m + n_windows * m, :d].reshape(n_windows, m, d)
+                has_prev = entry_ids > 0
+            kv_w = kv[offset : offset + n_windows * m].reshape(n_windows, m, -1)
+            gate_w = gate[offset : offset + n_windows * m].reshape(n_windows, m, -1)
             entries = self.pool(kv_w, gate_w, prev_kv, prev_gate, has_prev, entry_ids * m)
             block_table = torch.tensor(s.block_table, device=kv.device)
             state.store(block_table[state.block_index(entry_ids)], entry_ids, entries)
-        if left:
-            state.pending_kv[s.slot, :left] = kv[closed:]
-            state.pending_gate[s.slot, :left] = gate[closed:]
+        keep = min(s.length, ring)
+        rows = torch.arange(s.start + s.length - keep, s.start + s.length, device=kv.device)
+        state.ring_kv[s.slot, rows % ring] = kv[-keep:]
+        state.ring_gate[s.slot, rows % ring] = gate[-keep:]
 
     def update_decode(
         self, kv: torch.Tensor, gate: torch.Tensor, step: StepInput, state: CompressorState, scratch_block: int
     ) -> None:
-        """Add each sequence's new token's projections to its pending window; pool the windows it closes.
+        """Add each sequence's new token's projections to its ring; pool the windows it closes.
 
         Every row pools its window as if it closed and only the rows whose window did close keep
         the entry (the others write it to the scratch block): the same work whoever closes, so
         the step has no data-dependent shape for a compiler to break on.
         """
-        m = self.rate
-        slots, offsets = step.slots, step.positions % m
-        state.pending_kv[slots, offsets] = kv
-        state.pending_gate[slots, offsets] = gate
-        closing = offsets == m - 1
+        m, slots = self.rate, step.slots
+        state.ring_kv[slots, step.positions % state.ring_size] = kv
+        state.ring_gate[slots, step.positions % state.ring_size] = gate
+        closing = step.positions % m == m - 1
         entry_ids = step.positions // m
+        rows = state.window_rows(entry_ids)  # [B, lookback + m]
+        window_kv, window_gate = state.ring_kv[slots.unsqueeze(1), rows], state.ring_gate[slots.unsqueeze(1), rows]
         prev_kv = prev_gate = has_prev = None
         if self.overlap:
-            prev_kv, prev_gate, has_prev = state.prev_kv[slots], state.prev_gate[slots], entry_ids > 0
-        window_kv, window_gate = state.pending_kv[slots], state.pending_gate[slots]
+            d = self.dim
+            prev_kv, prev_gate, has_prev = window_kv[:, :m, :d], window_gate[:, :m, :d], entry_ids > 0
+            window_kv, window_gate = window_kv[:, m:], window_gate[:, m:]
         entries = self.pool(window_kv, window_gate, prev_kv, prev_gate, has_prev, entry_ids * m)
-        if self.overlap:
-            keep = closing.view(-1, 1, 1)
-            state.prev_kv[slots] = torch.where(keep, window_kv[..., : self.dim], prev_kv)
-            state.prev_gate[slots] = torch.where(keep, window_gate[..., : self.dim], prev_gate)
         block_ids = step.block_tables.gather(1, state.block_index(entry_ids).unsqueeze(1)).squeeze(1)
         state.store(torch.where(closing, block_ids, scratch_block), entry_ids, entries)
 
 
 def prefill_window_keys(
-    window: torch.Tensor, s: SeqSlice, kv: torch.Tensor, floor: int = 0
+    ring: torch.Tensor, s: SeqSlice, kv: torch.Tensor, window: int, floor: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A prompt chunk's sliding-window keys: the ring's earlier positions from `floor` on (read
     before this chunk overwrites the ring), then the chunk's own [S, d]; their bias [S, K] (0 or
-    -inf: each query sees the last W positions up to itself) and the chunk's positions."""
-    size, device = window.shape[1], kv.device
-    n_prior = max(0, min(s.start - floor, size - 1))
+    -inf: each query sees the last `window` positions up to itself) and the chunk's positions."""
+    size, device = ring.shape[1], kv.device
+    n_prior = max(0, min(s.start - floor, window - 1))
     prior_positions = torch.arange(s.start - n_prior, s.start, device=device)
-    keys = torch.cat([window[s.slot, prior_positions % size], kv])
+    keys = torch.cat([ring[s.slot, prior_positions % size], kv])
     key_positions = torch.arange(s.start - n_prior, s.start + s.length, device=device)
     query_positions = torch.arange(s.start, s.start + s.length, device=device)
     distance = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
     bias = torch.zeros(distance.shape, dtype=kv.dtype, device=device)
-    bias.masked_fill_((distance < 0) | (distance >= size), NEG_INF)
+    bias.masked_fill_((distance < 0) | (distance >= window), NEG_INF)
     return keys, bias, query_positions
 
 
-def store_prefill_window(window: torch.Tensor, s: SeqSlice, kv: torch.Tensor, positions: torch.Tensor) -> None:
-    """Write a prompt chunk's keys into its ring: the last W of them are all the next tokens can see."""
-    keep = min(s.length, window.shape[1])
-    window[s.slot, positions[-keep:] % window.shape[1]] = kv[-keep:]
+def store_prefill_window(ring: torch.Tensor, s: SeqSlice, kv: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write a prompt chunk's keys into its ring: the last ring-size of them are all later tokens can see."""
+    keep = min(s.length, ring.shape[1])
+    ring[s.slot, positions[-keep:] % ring.shape[1]] = kv[-keep:]
 
 
 def decode_window_keys(
-    window: torch.Tensor, step: StepInput, kv: torch.Tensor, floor: torch.Tensor | None = None
+    ring: torch.Tensor, step: StepInput, kv: torch.Tensor, window: int, floor: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's new key into its ring, then its ring as the keys [B, W, d] and their bias
-    [B, W]: a ring slot counts once its position exists (and is at or past `floor` [B], if given)."""
-    size, positions = window.shape[1], step.positions
-    window[step.slots, positions % size] = kv
-    keys = window[step.slots]
-    ring = torch.arange(size, device=kv.device)
-    bias = torch.zeros(keys.shape[:2], dtype=kv.dtype, device=kv.device)
-    # ring slot j holds position p - ((p - j) mod W), which exists once it is >= 0
-    bias.masked_fill_(ring.unsqueeze(0) > positions.unsqueeze(1), NEG_INF)
+    """Each sequence's new key into its ring, then its ring as the keys [B, ring, d] and their bias
+    [B, ring]: a ring slot counts when it holds one of the last `window` positions up to the
+    token's, one that exists (and is at or past `floor` [B], if given). A ring longer than the
+    window (room for drafts) holds older positions, or a rejected draft's, that it masks."""
+    size, positions = ring.shape[1], step.positions
+    ring[step.slots, positions % size] = kv
+    keys = ring[step.slots]
+    slots = torch.arange(size, device=kv.device)
+    # ring slot j holds position p - ((p - j) mod size), or a later one's that a rejected draft wrote
+    held = positions.unsqueeze(1) - (positions.unsqueeze(1) - slots) % size
+    hidden = (held < 0) | (held <= positions.unsqueeze(1) - window)
     if floor is not None:
-        held = positions.unsqueeze(1) - (positions.unsqueeze(1) - ring) % size
-        bias.masked_fill_(held < floor.unsqueeze(1), NEG_INF)
+        hidden |= held < floor.unsqueeze(1)
+    bias = torch.zeros(keys.shape[:2], dtype=kv.dtype, device=kv.device).masked_fill_(hidden, NEG_INF)
     return keys, bias
 
 
@@ -317,6 +318,7 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        self.state_index = layer_idx  # which of the cache's window rings and compressors are this layer's
         self.layer_type = config.layer_types[layer_idx]
         self.rope_type = "main" if self.layer_type == SLIDING else "compress"
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
@@ -359,8 +361,8 @@ class Attention(nn.Module):
         q = apply_rope_(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
         kv = apply_rope_(self.kv_norm(kv), cos, sin)
 
-        compressor = cache.compressors.get(self.layer_idx)
-        indexer = cache.indexers.get(self.layer_idx)
+        compressor = cache.compressors.get(self.state_index)
+        indexer = cache.indexers.get(self.state_index)
         # token-wise projections for every sequence at once; the per-sequence state updates follow
         compressed = indexed = index_queries = None
         if self.compressor is not None:
@@ -402,18 +404,18 @@ class Attention(nn.Module):
         cache: StateCache,
     ) -> torch.Tensor:
         device = q.device
-        window = cache.window[self.layer_idx]
-        keys, bias, query_positions = prefill_window_keys(window, s, kv)
+        window = cache.window[self.state_index]
+        keys, bias, query_positions = prefill_window_keys(window, s, kv, self.window, s.keep_from)
 
         if self.compressor is not None:
             rate = self.compressor.rate
             count = (s.start + s.length) // rate
             block_table = torch.tensor(s.block_table, dtype=torch.long, device=device)
-            entries = gather_entries(cache.compressors[self.layer_idx], block_table, count)
+            entries = gather_entries(cache.compressors[self.state_index], block_table, count)
             visible = torch.arange(count, device=device).unsqueeze(0) < ((query_positions + 1) // rate).unsqueeze(1)
             if self.layer_type == CSA and count:
                 indexer = self.compressor.indexer
-                index_keys = gather_entries(cache.indexers[self.layer_idx], block_table, count)
+                index_keys = gather_entries(cache.indexers[self.state_index], block_table, count)
                 scores = indexer.scores(index_queries, index_keys.unsqueeze(0), x)
                 scores = scores.masked_fill(~visible, NEG_INF)
                 top = indexer.select(scores, min(indexer.topk, count))
@@ -437,10 +439,10 @@ class Attention(nn.Module):
         cache: StateCache,
     ) -> torch.Tensor:
         positions = step.positions
-        keys, bias = decode_window_keys(cache.window[self.layer_idx], step, kv)
+        keys, bias = decode_window_keys(cache.window[self.state_index], step, kv, self.window, step.keep_from)
 
         if self.compressor is not None:
-            state = cache.compressors[self.layer_idx]
+            state = cache.compressors[self.state_index]
             rate = self.compressor.rate
             counts = (positions + 1) // rate  # [B]
             all_entries = state.entries[step.block_tables].flatten(1, 2)  # [B, blocks * per_block, d]
@@ -448,7 +450,7 @@ class Attention(nn.Module):
             visible = entry_ids.unsqueeze(0) < counts.unsqueeze(1)
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
-                index_keys = cache.indexers[self.layer_idx].entries[step.block_tables].flatten(1, 2)
+                index_keys = cache.indexers[self.state_index].entries[step.block_tables].flatten(1, 2)
                 scores = indexer.scores(index_queries, index_keys, x).masked_fill(~visible, NEG_INF)
                 top = indexer.select(scores, min(indexer.topk, all_entries.shape[1]))  # [B, k]
                 visible = visible.gather(1, top)
@@ -647,14 +649,16 @@ def expand_and_mix(post: torch.Tensor, out: torch.Tensor, comb: torch.Tensor, st
 
 
 class MultiTokenPrediction(DecoderLayer):
-    """A multi-token-prediction module of the published checkpoints (`mtp.N.*`): a sliding-window
-    decoder layer fed with the next token's embedding (e_proj) and the main model's last streams
-    (h_proj), with a head of its own; embedding and output projection are the main model's.
-    Loaded and kept for speculative decoding; generation does not run it yet."""
+    """A multi-token-prediction module of the published checkpoints (`mtp.N.*`), the drafter of
+    speculative decoding (engine/drafter.py): a sliding-window decoder layer whose row at position
+    p takes token p + 1's embedding (e_proj) added to each of the main model's residual streams
+    at p (h_proj), and predicts token p + 2 through a head of its own and the main model's output
+    projection. Its window ring is its own, after the main layers' (`state_index`)."""
 
-    def __init__(self, config: ModelConfig, rotary: dict[str, RotaryEmbedding]):
+    def __init__(self, config: ModelConfig, rotary: dict[str, RotaryEmbedding], index: int = 0):
         block = replace(config, num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"])
         super().__init__(block, 0, rotary)
+        self.self_attn.state_index = config.num_hidden_layers + index
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
@@ -662,6 +666,15 @@ class MultiTokenPrediction(DecoderLayer):
         self.h_proj = nn.Linear(d, d, bias=False)
         self.hc_head = HyperHead(config)
         self.norm = RMSNorm(d, eps)
+
+    def draft(
+        self, embeds: torch.Tensor, streams: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [T, d] of the next tokens and the streams [T, n, d] before them -> (the final
+        hidden state [T, d] that predicts the token after, this module's own streams [T, n, d])."""
+        combined = self.e_proj(self.enorm(embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+        out = self.forward(combined, step, rope, cache)
+        return self.norm(self.hc_head(out)), out
 
 
 class DeepseekV4Model(nn.Module):
@@ -682,12 +695,19 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(config)
 
     def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
+        return self.norm(self.hc_head(self.streams(step, cache)))
+
+    def streams(self, step: StepInput, cache: StateCache) -> torch.Tensor:
+        """The residual streams [T, hc_mult, hidden] after the last layer, before the final collapse."""
         embeds = self.embed_tokens(step.input_ids)
-        rope = {label: rotary(step.positions, embeds.dtype) for label, rotary in self.rotary.items()}
+        rope = self.rope(step.positions, embeds.dtype)
         streams = embeds.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, step, rope, cache)
-        return self.norm(self.hc_head(streams))
+        return streams
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        return {label: rotary(positions, dtype) for label, rotary in self.rotary.items()}
 
 
 # Parameters that stay in fp32 whatever the checkpoint dtype (as in the reference).
@@ -719,11 +739,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DeepseekV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.backend = TorchBackend()
-        self.mtp = nn.ModuleList(MultiTokenPrediction(config, self.model.rotary) for _ in range(mtp_modules))
+        self.mtp = nn.ModuleList(MultiTokenPrediction(config, self.model.rotary, i) for i in range(mtp_modules))
 
     def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
         """Final hidden states [T, hidden] of every token in the step."""
         return self.model(step, cache)
+
+    def forward_with_streams(self, step: StepInput, cache: StateCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states [T, hidden] and the residual streams [T, hc_mult, hidden] they
+        collapse (what the multi-token-prediction module drafts from)."""
+        streams = self.model.streams(step, cache)
+        return self.model.norm(self.model.hc_head(streams)), streams
 
     def merge_projections(self) -> None:
         """Projections of the same input become one matrix product each (MergedProjections); once the

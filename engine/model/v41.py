@@ -91,18 +91,19 @@ class Compressor(nn.Module):
     def close_prefill(
         self, latent: torch.Tensor, score: torch.Tensor | None, s: SeqSlice, state: CompressorState
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Fold a chunk's projections into the sequence's open window; (entry ids, entries) it closes."""
+        """Add a chunk's projections to the sequence's ring; (entry ids, entries) of the windows it closes."""
         r = self.rate
         window_start = (s.start // r) * r
-        pending = s.start - window_start
-        if pending:
-            latent = torch.cat([state.pending_kv[s.slot, :pending], latent])
-            score = torch.cat([state.pending_gate[s.slot, :pending], score])
-        n = latent.shape[0] // r
-        left = latent.shape[0] - n * r
-        if left:
-            state.pending_kv[s.slot, :left] = latent[n * r :]
-            state.pending_gate[s.slot, :left] = score[n * r :]
+        if r > 1:
+            ring = state.ring_size
+            before = torch.arange(window_start, s.start, device=latent.device) % ring
+            latent = torch.cat([state.ring_kv[s.slot, before], latent])
+            score = torch.cat([state.ring_gate[s.slot, before], score])
+            keep = min(s.length, ring)
+            rows = torch.arange(s.start + s.length - keep, s.start + s.length, device=latent.device) % ring
+            state.ring_kv[s.slot, rows] = latent[-keep:]
+            state.ring_gate[s.slot, rows] = score[-keep:]
+        n = (s.start + s.length) // r - window_start // r
         if not n:
             return None
         windows = latent[: n * r].view(n, r, -1)
@@ -113,17 +114,18 @@ class Compressor(nn.Module):
     def close_decode(
         self, latent: torch.Tensor, score: torch.Tensor | None, step: StepInput, state: CompressorState
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each sequence's new token into its open window: (entry ids, entries, which rows closed
-        one). Every row pools as if it closed, so the step's shapes do not depend on the data."""
+        """Each sequence's new token into its ring: (entry ids, entries, which rows closed one).
+        Every row pools as if it closed, so the step's shapes do not depend on the data."""
         r = self.rate
         entry_ids = step.positions // r
         if r == 1:
             return entry_ids, self.pool(latent.unsqueeze(1), None), torch.ones_like(entry_ids, dtype=torch.bool)
-        offsets = step.positions % r
-        state.pending_kv[step.slots, offsets] = latent
-        state.pending_gate[step.slots, offsets] = score
-        entries = self.pool(state.pending_kv[step.slots], state.pending_gate[step.slots])
-        return entry_ids, entries, offsets == r - 1
+        state.ring_kv[step.slots, step.positions % state.ring_size] = latent
+        state.ring_gate[step.slots, step.positions % state.ring_size] = score
+        rows = state.window_rows(entry_ids)
+        slots = step.slots.unsqueeze(1)
+        entries = self.pool(state.ring_kv[slots, rows], state.ring_gate[slots, rows])
+        return entry_ids, entries, step.positions % r == r - 1
 
 
 class Indexer(nn.Module):
@@ -304,7 +306,7 @@ class Attention(nn.Module):
         window = cache.window[self.layer]
         # a consumer layer's window never reaches before the rows the prompt keeps for it
         floor = s.keep_from if self.config.is_consumer(self.layer) else 0
-        keys, bias, query_positions = prefill_window_keys(window, s, kv, floor)
+        keys, bias, query_positions = prefill_window_keys(window, s, kv, self.window, floor)
         if self.rate:
             count = (s.start + s.length) // self.rate
             table = torch.tensor(s.block_table, dtype=torch.long, device=device)
@@ -335,7 +337,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         positions = step.positions
         floor = step.keep_from if self.config.is_consumer(self.layer) else None
-        keys, bias = decode_window_keys(cache.window[self.layer], step, kv, floor)
+        keys, bias = decode_window_keys(cache.window[self.layer], step, kv, self.window, floor)
         if self.rate:
             entries = cache.compressors[self.kv_source].entries[step.block_tables].flatten(1, 2)  # [B, n, d]
             counts = (positions + 1) // self.rate

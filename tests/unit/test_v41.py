@@ -121,15 +121,9 @@ def test_compression_matches_deepinfer_in_any_chunking(ratio: int, chunks: list[
     length, dim = sum(chunks), config.head_dim
     gen = torch.Generator().manual_seed(ratio * 100 + len(chunks))
     latent, score = torch.randn(length, dim, generator=gen), torch.randn(length, dim, generator=gen)
+    ring = ratio + 3  # with room for 3 drafts past the computed tokens, as speculative decoding keeps
     state = CompressorState(
-        ratio,
-        dim,
-        False,
-        torch.zeros(2, 128 // ratio, dim),
-        torch.zeros(2, ratio, dim),
-        torch.zeros(2, ratio, dim),
-        None,
-        None,
+        ratio, dim, False, torch.zeros(2, 128 // ratio, dim), torch.zeros(2, ring, dim), torch.zeros(2, ring, dim)
     )
     ours, start = [], 0
     for n in chunks:

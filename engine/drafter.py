@@ -1,0 +1,94 @@
+"""The multi-token-prediction drafter: proposes the tokens that follow each running sequence's
+pending one, for the target model to verify in its next step (engine/speculation.py).
+
+DeepSeek-V4's MTP module (engine/model/v4.py `MultiTokenPrediction`) computes its row at
+position p from token p + 1 and the target's residual streams at p, so it runs one row behind
+the target: after each target step it takes the rows whose next token is now known, and its
+own window ring keeps them. Drafting chains the module on itself, as SGLang runs V4's NextN:
+its row at p predicts token p + 2; that token's embedding and the module's own streams make
+the next row. Draft rows land in the ring's room past the real rows and are overwritten when
+the target's rows for their positions arrive; the state the target keeps never sees them.
+
+A sequence whose rows have a gap (its state was loaded, or steps ran without the drafter)
+starts the module's rows afresh: positions before `draft_floor` are masked, so the module
+never reads what another sequence left in its slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
+from engine.sequence import Sequence
+from engine.state_cache import StateCache
+
+
+class MtpDrafter:
+    def __init__(self, model: DeepseekV4ForCausalLM, cache: StateCache):
+        self.model, self.cache = model, cache
+        self.module = model.mtp[0]  # V4 publishes one; chained, it drafts any number of tokens
+        self.device = model.lm_head.weight.device
+
+    @torch.inference_mode()
+    def advance(self, seqs: list[Sequence], streams: list[torch.Tensor], starts: list[int], wanted: list[int]) -> None:
+        """Take the target's streams [n, hc, d] of positions starts[i].. that the last step computed
+        for seqs[i], run the module over every row whose next token is known, then draft wanted[i]
+        tokens for each sequence whose rows now reach its pending token (`Sequence.drafts`)."""
+        ran, slices, tokens, inputs = [], [], [], []
+        for seq, rows, start, k in zip(seqs, streams, starts, wanted, strict=True):
+            held = seq.draft_streams
+            if held is not None and seq.draft_upto + len(held) == start:
+                rows = torch.cat([held, rows])
+            else:  # a gap: the module's rows start again here
+                seq.draft_floor = seq.draft_upto = start
+            n = min(len(rows), seq.num_tokens - 1 - seq.draft_upto)  # rows whose next token exists
+            seq.draft_streams, seq.drafts = rows[max(n, 0) :], []
+            if n <= 0:
+                continue
+            slices.append(SeqSlice(seq.slot, seq.draft_upto, n, list(seq.block_table), seq.draft_floor))
+            tokens.extend(seq.tokens_between(seq.draft_upto + 1, seq.draft_upto + 1 + n))
+            inputs.append(rows[:n])
+            seq.draft_upto += n
+            ran.append((seq, k))
+        if not slices:
+            return
+        hidden, own = self._run(tokens, torch.cat(inputs), slices)
+        last_rows = (torch.tensor([s.length for s in slices]).cumsum(0) - 1).tolist()
+        # a sequence drafts once its last row is its pending token's predecessor: that row predicts what follows
+        chains = [
+            (seq, k, row)
+            for (seq, k), row in zip(ran, last_rows, strict=True)
+            if k and seq.draft_upto == seq.num_tokens - 1
+        ]
+        if chains:
+            rows = torch.tensor([row for _, _, row in chains], device=self.device)
+            self._chain([(seq, k) for seq, k, _ in chains], hidden[rows], own[rows])
+
+    def _chain(self, seqs: list[tuple[Sequence, int]], hidden: torch.Tensor, streams: torch.Tensor) -> None:
+        """Draft k tokens for each (sequence, k) from its module row (`hidden`, `streams`): each draft
+        is the module's most likely next token, fed back with its streams for the one after."""
+        while True:
+            drafts = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            for (seq, _), token in zip(seqs, drafts, strict=True):
+                seq.drafts.append(token)
+            going = [i for i, (seq, k) in enumerate(seqs) if len(seq.drafts) < k]
+            if not going:
+                return
+            seqs = [seqs[i] for i in going]
+            # the row at the new draft's predecessor's position: it reads the draft, predicts the next
+            slices = [
+                SeqSlice(seq.slot, seq.num_tokens - 2 + len(seq.drafts), 1, list(seq.block_table), seq.draft_floor)
+                for seq, _ in seqs
+            ]
+            hidden, streams = self._run([seq.drafts[-1] for seq, _ in seqs], streams[going], slices)
+
+    def _run(
+        self, tokens: list[int], streams: torch.Tensor, slices: list[SeqSlice]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module over these rows (always the per-sequence path: its floors mask by position)."""
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.tensor([p for s in slices for p in range(s.start, s.start + s.length)], device=self.device)
+        step = StepInput(input_ids, positions, slices)
+        embeds = self.model.model.embed_tokens(input_ids)
+        rope = self.model.model.rope(positions, embeds.dtype)
+        return self.module.draft(embeds, streams, step, rope, self.cache)

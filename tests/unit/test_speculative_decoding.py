@@ -1,0 +1,185 @@
+"""Speculative decoding in the engine: drafts verified in one target step, the rejected ones
+leaving no trace in the state, outputs as without them.
+
+A checkpoint in the published layout carries V4's multi-token-prediction module; with random
+weights it drafts badly, so besides it a scripted drafter proposes the true continuation with
+chosen mistakes: every count of accepted drafts, 0 to k, at positions that close compressor
+windows and wrap the window rings, so each kind of state must roll back right.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.checkpoint import load_model
+from engine.checkpoint.make_model import preset_config, write_checkpoint
+from engine.config import CSA, HCA
+from engine.sequence import Sequence
+from tests.support.models import all_state_free, random_prompts
+
+VOCAB = 512
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+# small windows and rates, so that 40 tokens wrap the window ring and close many entries
+SMALL_WINDOWS = dict(sliding_window=16, compress_rates={CSA: 4, HCA: 8}, index_topk=4)
+LENGTHS = (3, 15, 37, 70)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny model with small windows, written as the published checkpoints are: with an MTP module."""
+    path = tmp_path_factory.mktemp("mtp") / "tiny"
+    config = preset_config("tiny", vocab_size=VOCAB, index_n_heads=16, **SMALL_WINDOWS)
+    return load_model(write_checkpoint(Path(path), config, seed=5, layout="deepseek"))
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_model) -> dict[int, list[int]]:
+    """Greedy outputs without speculation, one request at a time."""
+    engine = LLMEngine(mtp_model, max_num_batched_tokens=64)
+    return {len(p): engine.generate([p], GREEDY)[0].token_ids for p in random_prompts(LENGTHS, VOCAB, seed=1)}
+
+
+class ScriptedDrafter:
+    """Drafts the reference continuation, right for the first j tokens and wrong after, j cycling
+    through 0..k from step to step (and from sequence to sequence)."""
+
+    def __init__(self, reference: dict[int, list[int]]):
+        self.reference, self.turn, self.right = reference, 0, 0
+
+    def advance(self, seqs: list[Sequence], streams: list, starts: list[int], wanted: list[int]) -> None:
+        for seq, k in zip(seqs, wanted, strict=True):
+            if seq.num_computed < seq.num_tokens - 1:  # a prompt still prefilling: nothing to draft yet
+                continue
+            follows = self.reference[len(seq.prompt_token_ids)][len(seq.output_token_ids) :][:k]
+            right = self.turn % (k + 1)
+            self.turn += 1
+            seq.drafts = [t if i < right else (t + 1) % VOCAB for i, t in enumerate(follows)]
+            self.right += min(right, len(follows))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_is_the_same_with_the_mtp_drafter(mtp_model, reference, k):
+    engine = LLMEngine(mtp_model, max_num_batched_tokens=64, speculative="mtp", speculative_tokens=k)
+    outputs = engine.generate(random_prompts(LENGTHS, VOCAB, seed=1), GREEDY)
+    assert [o.token_ids for o in outputs] == [reference[n] for n in LENGTHS]
+    assert all_state_free(engine)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_drafts_accepted_and_rejected_in_every_count_leave_the_output_and_state_exact(mtp_model, reference, k):
+    """The target accepts exactly the drafts that are right; the state after a rejection is the
+    state of the accepted tokens alone: every later token is still the reference's."""
+    engine = LLMEngine(mtp_model, max_num_batched_tokens=64, speculative="mtp", speculative_tokens=k)
+    engine.drafter = drafter = ScriptedDrafter(reference)
+    prompts = random_prompts(LENGTHS, VOCAB, seed=1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    tokens: dict[str, list[int]] = {}
+    drafted = accepted = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        drafted += engine.last_step_drafted
+        accepted += engine.last_step_accepted
+    assert [tokens[str(i)] for i in range(len(prompts))] == [reference[n] for n in LENGTHS]
+    # every right draft was accepted (a wrong one never is, greedy): the steps were fewer
+    assert accepted == drafter.right and drafted > accepted > 0
+    assert all_state_free(engine)
+
+
+def test_a_speculating_engines_snapshot_continues_in_one_that_does_not(mtp_model, reference):
+    """A hand-over's state leaves without the room for drafts and without rejected rows: an engine
+    that does not speculate loads it mid-generation and continues to the same tokens."""
+    prompt = random_prompts(LENGTHS, VOCAB, seed=1)[3]
+    speculating = LLMEngine(mtp_model, max_num_batched_tokens=64, speculative="mtp", speculative_tokens=3)
+    speculating.drafter = ScriptedDrafter(reference)
+    plain = LLMEngine(mtp_model, max_num_batched_tokens=64)
+    assert speculating.layout == plain.layout
+    speculating.add_request("r", prompt, GREEDY)
+    produced: list[int] = []
+    while len(produced) < 17:
+        for out in speculating.step():
+            produced.extend(out.new_token_ids)
+    snapshot = speculating.export_state("r")
+    plain.import_state("r", snapshot, GREEDY)
+    rest = []
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            rest.extend(out.new_token_ids)
+    assert produced + rest == reference[len(prompt)]
+
+
+def test_finishing_mid_block_keeps_nothing_past_the_stop(mtp_model, reference):
+    """A stop token among the accepted drafts ends the request there, as max_tokens does."""
+    prompt = random_prompts(LENGTHS, VOCAB, seed=1)[2]
+    expected = reference[len(prompt)]
+    stop = expected[9]
+    engine = LLMEngine(mtp_model, max_num_batched_tokens=64, speculative="mtp", speculative_tokens=5)
+    engine.drafter = ScriptedDrafter({len(prompt): expected})
+    engine.drafter.turn = 5  # every draft right: the stop token arrives inside a block
+    stopped, short = engine.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop]),
+            SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+        ],
+    )
+    assert stopped.token_ids == expected[: expected.index(stop) + 1] and stopped.finish_reason == "stop"
+    assert short.token_ids == expected[:7] and short.finish_reason == "length"
+    assert all_state_free(engine)
+
+
+def test_sampled_output_keeps_its_distribution(mtp_model):
+    """With temperature, speculation changes which tokens a draw gives but not how they are
+    distributed: the first two tokens of many unseeded requests, with drafts often right and
+    often wrong, against the same without speculation (a chi-square test of homogeneity)."""
+    prompt = random_prompts([9], VOCAB, seed=2)[0]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    n = 600
+
+    def pairs(engine: LLMEngine) -> Counter:
+        engine._seed_source = random.Random(11)
+        outputs = engine.generate([prompt] * n, params)
+        return Counter(tuple(o.token_ids[1:3]) for o in outputs)
+
+    plain = pairs(LLMEngine(mtp_model, max_num_seqs=64, max_num_batched_tokens=1024))
+    guess = max(plain, key=plain.get)  # the likeliest pair: drafts right often, and wrong often
+    speculating = LLMEngine(
+        mtp_model,
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+        speculative="mtp",
+        speculative_tokens=2,
+        speculative_max_batch=64,
+    )
+
+    class Guess:
+        def advance(self, seqs, streams, starts, wanted):
+            for seq, k in zip(seqs, wanted, strict=True):
+                seq.drafts = list(guess[len(seq.output_token_ids) - 1 :][:k]) if len(seq.output_token_ids) < 3 else []
+
+    speculating.drafter = Guess()
+    drafted = pairs(speculating)
+    keys = sorted(set(plain) | set(drafted))
+    table = torch.tensor([[plain[key] for key in keys], [drafted[key] for key in keys]], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    statistic = float(((table - expected) ** 2 / expected).sum())
+    dof = len(keys) - 1
+    # the 0.1% critical value of chi-square, by Wilson-Hilferty
+    z = 3.09
+    critical = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+    assert statistic < critical, (statistic, critical, table)
+
+
+def test_speculation_stays_off_where_it_cannot_run(tiny_model):
+    with pytest.raises(ValueError, match="multi-token-prediction"):
+        LLMEngine(tiny_model, speculative="mtp")
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        LLMEngine(tiny_model, speculative="eagle")
+    assert LLMEngine(tiny_model, speculative="auto").drafter is None  # no MTP module: auto is off
