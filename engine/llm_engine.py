@@ -117,7 +117,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random()
         self.last_step_tokens = 0  # tokens the last step computed (a prefill worker measures its speed)
-        self.last_step_drafted = self.last_step_accepted = 0  # drafts the last step verified, and accepted
+        # drafts the last step verified, those it accepted, and the sequences it verified drafts of
+        self.last_step_drafted = self.last_step_accepted = self.last_step_verified = 0
         self.weights = weights
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
@@ -390,7 +391,7 @@ class LLMEngine:
         computed = [seq for seq in self.scheduler.running if seq.num_pending == 0]
         batch = self.scheduler.schedule()
         self.last_step_tokens = sum(batch.num_tokens) if batch else 0
-        self.last_step_drafted = self.last_step_accepted = 0
+        self.last_step_drafted = self.last_step_accepted = self.last_step_verified = 0
         sampled = [seq for seq in computed if seq in self.scheduler.running]  # not preempted to make room
         rows = [seq.last_hidden for seq in sampled]
         decoded = None  # what the compiled decode step computed, if this step ran it
@@ -510,6 +511,7 @@ class LLMEngine:
             outputs.append(self._emit(seq, verdict.tokens, chosen.tolist(), tops, verified_rows=hidden))
             self.last_step_drafted += len(drafts)
             self.last_step_accepted += verdict.accepted
+        self.last_step_verified = len(verified)
         self.speculation.record(self.last_step_drafted, self.last_step_accepted, len(verified))
         return outputs
 

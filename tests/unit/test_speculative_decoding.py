@@ -183,3 +183,23 @@ def test_speculation_stays_off_where_it_cannot_run(tiny_model):
     with pytest.raises(ValueError, match="speculative must be one of"):
         LLMEngine(tiny_model, speculative="eagle")
     assert LLMEngine(tiny_model, speculative="auto").drafter is None  # no MTP module: auto is off
+
+
+def test_auto_stops_drafting_when_the_drafts_do_not_pay(mtp_model, reference):
+    """A random-weight MTP module accepts almost nothing: `auto` measures that over its window of
+    drafts and then runs steps as an engine without a drafter does (no streams, no verify)."""
+    engine = LLMEngine(mtp_model, max_num_batched_tokens=64, speculative="auto", speculative_tokens=3)
+    engine.speculation.window = 24
+    prompts = random_prompts(LENGTHS, VOCAB, seed=1)
+    drafted_per_step = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        drafted_per_step.append(engine.last_step_drafted)
+    assert [tokens[str(i)] for i in range(len(prompts))] == [reference[n] for n in LENGTHS]
+    first_off = next(i for i, n in enumerate(drafted_per_step) if i > 2 and n == 0)
+    assert 24 <= sum(drafted_per_step) < 24 + 4 * 3  # one window, and the step that completed it
+    assert not any(drafted_per_step[first_off:]) and engine.speculation.is_off
