@@ -163,6 +163,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed = 0
+        seq.drafts = []  # guesses at what followed the state it no longer has
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

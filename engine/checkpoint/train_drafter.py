@@ -155,18 +155,22 @@ def draft_accuracy(model: DeepseekV4ForCausalLM, sequences: list[tuple[list[int]
     return right / max(total, 1)
 
 
-def train_checkpoint_drafter(path: str | Path, steps: int = 300, seed: int = 0) -> tuple[float, float]:
+def train_checkpoint_drafter(
+    path: str | Path, steps: int = 2000, seed: int = 0, learning_rate: float = 3e-3
+) -> tuple[float, float]:
     """Train the MTP module of the checkpoint at `path` (published layout, unquantized) and write it
     back into its safetensors file. Returns the first draft's accuracy before and after, on
-    continuations it was not trained on."""
+    continuations it was not trained on. One continuation per step is made to train on: with
+    fewer, the module learns them by heart (400 continuations for 3,000 steps: 28% right on
+    others, 2,000: 37%)."""
     path = Path(path)
     model = load_model(path, dtype=torch.float32)
     if not len(model.mtp):
         raise ValueError(f"{path} has no multi-token-prediction module (write it with --format deepseek)")
-    train = greedy_sequences(model, 400, 16, 112, seed)
-    held_out = greedy_sequences(model, 8, 16, 112, seed + 1)
+    train = greedy_sequences(model, max(steps, 64), 16, 112, seed)
+    held_out = greedy_sequences(model, 16, 16, 112, seed + 1)
     before = draft_accuracy(model, held_out)
-    train_mtp(model, train, steps, seed=seed)
+    train_mtp(model, train, steps, learning_rate=learning_rate, seed=seed)
     after = draft_accuracy(model, held_out)
     weights = path / "model.safetensors"
     stored = load_file(weights)

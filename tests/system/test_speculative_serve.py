@@ -17,6 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine import LLMEngine, SamplingParams
+from engine.checkpoint.make_model import make_model
 from tests.support.infra import free_port, wait_until_up
 from tests.support.models import random_prompts
 
@@ -25,10 +26,8 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def published_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("spec") / "tiny"
-    command = [sys.executable, "-m", "deepmesh.cli", "make-model", str(path), "--format", "deepseek", "--seed", "3"]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
-    return path
+    """The tiny preset as `deepmesh make-model D --format deepseek --seed 3` writes it."""
+    return make_model(tmp_path_factory.mktemp("spec") / "tiny", "tiny", seed=3, layout="deepseek")
 
 
 def test_greedy_answers_through_serve_with_mtp_are_those_without_speculation(published_tiny, tmp_path):

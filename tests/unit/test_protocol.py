@@ -226,6 +226,26 @@ def test_a_completion_stop_sequence_never_shows_in_a_chunk(codec, text_tokens):
     }
 
 
+@pytest.mark.parametrize("group", [2, 3, 5])
+def test_a_stop_sequence_inside_a_group_of_tokens_ends_the_text_where_it_starts(codec, text_tokens, group):
+    """A verify step of speculative decoding hands several tokens at once, the stop sequence
+    anywhere among them: the text, the finish reason and the tokens counted are those of the
+    tokens one at a time, and no chunk shows a part of the stop sequence."""
+    body = {**COMPLETION, "stop": ["sunny day"], "stream": True}
+    tokens = text_tokens(" It is a sunny day, enjoy it while it lasts.")
+    grouped, single = codec.output("completions", body, "a"), codec.output("completions", body, "b")
+    events = grouped.start(prompt_tokens=5)
+    single.start(prompt_tokens=5)
+    for start in range(0, len(tokens), group):
+        events += grouped.tokens(tokens[start : start + group])
+    for token in tokens:
+        single.tokens([token])
+    events += grouped.finish("stop") + single.finish("stop")
+    assert "".join(_texts(events)) == " It is a " and not any("sun" in text for text in _texts(events))
+    assert grouped.body()["choices"] == single.body()["choices"]
+    assert grouped.body()["usage"] == single.body()["usage"]
+
+
 def test_a_completion_is_the_same_however_its_tokens_are_grouped(codec):
     tokens = [42799, 58964, 37058, 114612, 37192, 96296, 38789, 110063, 119795, 119590, 86323, 84735]
     logprobs = [(-1.0 - i, [(token, -1.0 - i)]) for i, token in enumerate(tokens)]

@@ -203,3 +203,18 @@ def test_auto_stops_drafting_when_the_drafts_do_not_pay(mtp_model, reference):
     first_off = next(i for i, n in enumerate(drafted_per_step) if i > 2 and n == 0)
     assert 24 <= sum(drafted_per_step) < 24 + 4 * 3  # one window, and the step that completed it
     assert not any(drafted_per_step[first_off:]) and engine.speculation.is_off
+
+
+def test_preempted_sequences_recompute_and_keep_their_tokens(mtp_model):
+    """Prompts that grow past their first block, with three blocks for three of them: the newer
+    ones are preempted and recomputed from their tokens (drafts and the drafter's rows started
+    again), and still end as without speculation."""
+    prompts = random_prompts([100, 110, 120], VOCAB, seed=6)
+    plain = LLMEngine(mtp_model, max_num_batched_tokens=64)
+    reference = {len(p): plain.generate([p], GREEDY)[0].token_ids for p in prompts}
+    engine = LLMEngine(mtp_model, num_blocks=4, max_num_batched_tokens=64, speculative="mtp", speculative_tokens=3)
+    engine.drafter = ScriptedDrafter(reference)
+    outputs = engine.generate(prompts, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == [reference[len(p)] for p in prompts]
+    assert all_state_free(engine)
