@@ -49,6 +49,7 @@ class DecodeOutput(NamedTuple):
     logits: torch.Tensor  # [B, vocab] fp32 (a transposed view)
     normalizer: torch.Tensor  # [B]: the logits' logsumexp
     argmax: torch.Tensor  # [B]
+    streams: torch.Tensor | None = None  # [B, hc_mult, hidden] before the final collapse, for a drafter
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -87,12 +88,50 @@ def _decode(
     return hidden, columns.T, columns.logsumexp(dim=0), columns.argmax(dim=0)
 
 
-def _decode_function(size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+def _decode_with_streams(
+    model: DeepseekV4ForCausalLM,
+    cache: StateCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ngram_context: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """_decode, also giving the residual streams the final hidden state collapses (the MTP drafter's input)."""
+    step = StepInput(input_ids, positions, slots=slots, block_tables=block_tables, ngram_context=ngram_context)
+    hidden, streams = model.forward_with_streams(step, cache)
+    columns = model.lm_head.backend.logit_columns(hidden, model.lm_head.weight)  # [vocab, B]
+    return hidden, columns.T, columns.logsumexp(dim=0), columns.argmax(dim=0), streams
+
+
+def _draft(
+    model: DeepseekV4ForCausalLM,
+    cache: StateCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    floors: torch.Tensor,
+    streams: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The MTP module's rows (engine/drafter.py) as one decode step: each row's most likely next
+    token and the module's own streams."""
+    step = StepInput(input_ids, positions, slots=slots, keep_from=floors)
+    embeds = model.model.embed_tokens(input_ids)
+    hidden, own = model.mtp[0].draft(embeds, streams, step, model.model.rope(positions, embeds.dtype), cache)
+    columns = model.lm_head.backend.logit_columns(hidden, model.lm_head.weight)  # [vocab, B]
+    return columns.argmax(dim=0), own
+
+
+def _decode_function(size: int, streams: bool = False) -> Callable[..., tuple[torch.Tensor, ...]]:
     """_decode under a code object of its own. Dynamo keeps compiled graphs per code object and
     picks one by checking the call against each graph's guards in turn: one graph per bucket
     behind its own code object is one graph to pick from."""
-    code = _decode.__code__.replace(co_name=f"decode_batch_{size}")
-    return types.FunctionType(code, _decode.__globals__, code.co_name)
+    return _named(_decode_with_streams if streams else _decode, size)
+
+
+def _named(function: Callable, size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+    code = function.__code__.replace(co_name=f"{function.__name__}_batch_{size}")
+    return types.FunctionType(code, function.__globals__, code.co_name)
 
 
 def _shapes(inputs: tuple[torch.Tensor | None, ...]) -> str:
@@ -183,16 +222,24 @@ class CompiledDecode:
         cache: StateCache,
         max_batch: int,
         on_progress: Callable[[int, int], None] | None = None,
+        streams: bool = False,
     ):
-        self.model, self.cache = model, cache
+        """`streams`: the graphs also give the residual streams (DecodeOutput.streams) the MTP drafter
+        reads, and each bucket has a graph of the drafter's rows too (`draft`)."""
+        self.model, self.cache, self.streams = model, cache, streams
         self.device = model.lm_head.weight.device
         self.buckets = batch_buckets(max_batch)
         self.min_width = min_width(cache)
+        kinds = {"decode": lambda size: _decode_function(size, streams)}
+        if streams:
+            kinds["draft"] = lambda size: _named(_draft, size)
         self._graphs = {
-            size: torch.compile(_decode_function(size), dynamic=False, fullgraph=True) for size in self.buckets
+            (kind, size): torch.compile(function(size), dynamic=False, fullgraph=True)
+            for kind, function in kinds.items()
+            for size in self.buckets
         }
-        # per bucket whose graph has run once: the code to call it without Dynamo, or None (see _run)
-        self._direct: dict[int, Callable[..., tuple[torch.Tensor, ...]] | None] = {}
+        # per graph that has run once: the code to call it without Dynamo, or None (see _run)
+        self._direct: dict[tuple[str, int], Callable[..., tuple[torch.Tensor, ...]] | None] = {}
         self._ready: set[int] = set()  # buckets a step may run: written by the compiling thread only
         self.on_progress = on_progress  # (buckets ready, buckets planned), after each bucket
         self._finished = threading.Event()  # every bucket ready, or compiling gave up
@@ -209,6 +256,7 @@ class CompiledDecode:
         cache: StateCache,
         max_batch: int,
         on_progress: Callable[[int, int], None] | None = None,
+        streams: bool = False,
     ) -> CompiledDecode | None:
         """A compiled decode step whose graphs compile in the background from now on; None (and one
         log line) where compiling is unavailable."""
@@ -216,7 +264,7 @@ class CompiledDecode:
         if reason is not None:
             log.warning("decode runs eager: torch.compile is unavailable here (%s)", reason)
             return None
-        compiled = cls(model, cache, max_batch, on_progress)
+        compiled = cls(model, cache, max_batch, on_progress, streams)
         compiled.start()
         return compiled
 
@@ -265,9 +313,49 @@ class CompiledDecode:
         """One decode token per sequence: the final hidden states and what sampling reads of the
         logits. `ngram_contexts`: each token's n ids before it (a model with Engram layers)."""
         size, rows = self.bucket(len(token_ids)), len(token_ids)
-        outputs = self._run(size, *self._padded(size, token_ids, positions, slots, block_tables, ngram_contexts))
+        inputs = self._padded(size, token_ids, positions, slots, block_tables, ngram_contexts)
+        outputs = self._run(("decode", size), *inputs)
         self.steps += 1
         return DecodeOutput(*(tensor[:rows] for tensor in outputs))
+
+    @torch.inference_mode()
+    def draft(
+        self, token_ids: list[int], positions: list[int], slots: list[int], floors: list[int], streams: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module's rows through the drafter's graph: each row's most likely next token [n]
+        and the module's own streams [n, hc, d]. Padding rows draft in the scratch slot."""
+        size, rows = self.bucket(len(token_ids)), len(token_ids)
+        inputs = self._draft_inputs(size, token_ids, positions, slots, floors, streams)
+        drafts, own = self._run(("draft", size), *inputs)
+        return drafts[:rows], own[:rows]
+
+    def _draft_inputs(
+        self,
+        size: int,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        floors: list[int],
+        streams: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
+        pad = size - len(token_ids)
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        config = self.model.config
+        padded_streams = torch.zeros(
+            size, config.hc_mult, config.hidden_size, dtype=self.model.lm_head.weight.dtype, device=self.device
+        )
+        if streams is not None:
+            padded_streams[: len(token_ids)] = streams
+        return (
+            tensor(token_ids + [0] * pad),
+            tensor(positions + [0] * pad),
+            tensor(slots + [self.cache.scratch_slot] * pad),
+            tensor(floors + [0] * pad),
+            padded_streams,
+        )
 
     def _padded(
         self,
@@ -302,27 +390,28 @@ class CompiledDecode:
         contexts = [[-1] * n] * len(token_ids) if ngram_contexts is None else ngram_contexts
         return (*inputs, tensor([*contexts, *[[-1] * n] * pad]).view(size, n))
 
-    def _run(self, size: int, *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def _run(self, graph: tuple[str, int], *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         # Once a bucket's graph is compiled, nothing Dynamo checks before a call changes: the bucket
         # fixes the batch, the weights and the state tensors are the same objects for the engine's
         # life, and the one size that varies, the block-table width, is a dynamic dimension of the
         # graph (tests/system/test_compiled_decode.py checks that wider tables pass its guards). So a later
         # call runs the code Dynamo made for the graph directly: no guards, and no Dynamo hook on
         # every Python frame the call runs (1.2x the step at batch 1 here).
-        direct = self._direct.get(size)
+        direct = self._direct.get(graph)
         if direct is not None:
             return direct(self.model, self.cache, *inputs)
-        torch._dynamo.maybe_mark_dynamic(inputs[3], 1)  # the block-table width
-        if size in self._direct:  # run before, but this torch keeps no code to call: guards skipped
+        if graph[0] == "decode":
+            torch._dynamo.maybe_mark_dynamic(inputs[3], 1)  # the block-table width
+        if graph in self._direct:  # run before, but this torch keeps no code to call: guards skipped
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return self._graphs[size](self.model, self.cache, *inputs)
+                    return self._graphs[graph](self.model, self.cache, *inputs)
             except RuntimeError as error:  # raised before the graph runs: nothing was written yet
                 if "Recompilation triggered" not in str(error):
                     raise
-                log.warning("decode graph for batch %d compiled again (%s)", size, _shapes(inputs))
-        outputs = self._graphs[size](self.model, self.cache, *inputs)
-        self._direct[size] = compiled_code(self._graphs[size])
+                log.warning("%s graph for batch %d compiled again (%s)", *graph, _shapes(inputs))
+        outputs = self._graphs[graph](self.model, self.cache, *inputs)
+        self._direct[graph] = compiled_code(self._graphs[graph])
         return outputs
 
     @torch.inference_mode()
@@ -347,7 +436,9 @@ class CompiledDecode:
 
     def _compile(self, size: int) -> None:
         start = time.perf_counter()
-        self._run(size, *self._padded(size, [], [], [], [], []))
+        self._run(("decode", size), *self._padded(size, [], [], [], [], []))
+        if self.streams:
+            self._run(("draft", size), *self._draft_inputs(size, [], [], [], [], None))
         self._ready.add(size)
         planned = len(self.buckets)
         seconds = time.perf_counter() - start

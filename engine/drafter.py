@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.compiled_decode import CompiledDecode
 from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
 from engine.sequence import Sequence
 from engine.state_cache import StateCache
@@ -28,6 +29,7 @@ class MtpDrafter:
         self.model, self.cache = model, cache
         self.module = model.mtp[0]  # V4 publishes one; chained, it drafts any number of tokens
         self.device = model.lm_head.weight.device
+        self.compiled: CompiledDecode | None = None  # the engine's graphs, with one of the module's rows per bucket
 
     @torch.inference_mode()
     def advance(self, seqs: list[Sequence], streams: list[torch.Tensor], starts: list[int], wanted: list[int]) -> None:
@@ -52,7 +54,7 @@ class MtpDrafter:
             ran.append((seq, k))
         if not slices:
             return
-        hidden, own = self._run(tokens, torch.cat(inputs), slices)
+        drafts, own = self._run(tokens, torch.cat(inputs), slices)
         last_rows = (torch.tensor([s.length for s in slices]).cumsum(0) - 1).tolist()
         # a sequence drafts once its last row is its pending token's predecessor: that row predicts what follows
         chains = [
@@ -62,14 +64,13 @@ class MtpDrafter:
         ]
         if chains:
             rows = torch.tensor([row for _, _, row in chains], device=self.device)
-            self._chain([(seq, k) for seq, k, _ in chains], hidden[rows], own[rows])
+            self._chain([(seq, k) for seq, k, _ in chains], drafts[rows], own[rows])
 
-    def _chain(self, seqs: list[tuple[Sequence, int]], hidden: torch.Tensor, streams: torch.Tensor) -> None:
-        """Draft k tokens for each (sequence, k) from its module row (`hidden`, `streams`): each draft
+    def _chain(self, seqs: list[tuple[Sequence, int]], drafts: torch.Tensor, streams: torch.Tensor) -> None:
+        """Draft k tokens for each (sequence, k) from its module row's draft and streams: each draft
         is the module's most likely next token, fed back with its streams for the one after."""
         while True:
-            drafts = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
-            for (seq, _), token in zip(seqs, drafts, strict=True):
+            for (seq, _), token in zip(seqs, drafts.tolist(), strict=True):
                 seq.drafts.append(token)
             going = [i for i, (seq, k) in enumerate(seqs) if len(seq.drafts) < k]
             if not going:
@@ -80,15 +81,34 @@ class MtpDrafter:
                 SeqSlice(seq.slot, seq.num_tokens - 2 + len(seq.drafts), 1, list(seq.block_table), seq.draft_floor)
                 for seq, _ in seqs
             ]
-            hidden, streams = self._run([seq.drafts[-1] for seq, _ in seqs], streams[going], slices)
+            drafts, streams = self._run([seq.drafts[-1] for seq, _ in seqs], streams[going], slices)
 
     def _run(
         self, tokens: list[int], streams: torch.Tensor, slices: list[SeqSlice]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The module over these rows (always the per-sequence path: its floors mask by position)."""
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        positions = torch.tensor([p for s in slices for p in range(s.start, s.start + s.length)], device=self.device)
-        step = StepInput(input_ids, positions, slices)
+        """The module over these rows, each row a row of one decode step (a sequence's rows at
+        consecutive positions of its slot: every row's key is written before any is read, and the
+        ring's room hides a row's later ones from it), masked below each sequence's floor: each
+        row's most likely next token [n] and the module's own streams [n, hc, d]. Through the
+        compiled graph of the row count where it is ready."""
+        rows = [(s, s.start + j) for s in slices for j in range(s.length)]
+        device = self.device
+        if self.compiled is not None and self.compiled.is_ready(len(rows)):
+            positions = [position for _, position in rows]
+            slots, floors = [s.slot for s, _ in rows], [s.keep_from for s, _ in rows]
+            return self.compiled.draft(tokens, positions, slots, floors, streams)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        input_ids, positions = tensor(tokens), tensor([position for _, position in rows])
+        step = StepInput(
+            input_ids,
+            positions,
+            slots=tensor([s.slot for s, _ in rows]),
+            keep_from=tensor([s.keep_from for s, _ in rows]),
+        )
         embeds = self.model.model.embed_tokens(input_ids)
         rope = self.model.model.rope(positions, embeds.dtype)
-        return self.module.draft(embeds, streams, step, rope, self.cache)
+        hidden, own = self.module.draft(embeds, streams, step, rope, self.cache)
+        return self.model.compute_logits(hidden).argmax(dim=-1), own

@@ -108,7 +108,10 @@ class LLMEngine:
             kernel_backend=kernel_backend,
             compile_decode=compile_decode,
             on_compile_progress=on_compile_progress,
+            with_streams=self.drafter is not None,
         )
+        if self.drafter is not None:
+            self.drafter.compiled = self.runner.compiled_decode
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_low_priority_tokens)
         self.grammars = grammars
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -396,18 +399,19 @@ class LLMEngine:
         rows = [seq.last_hidden for seq in sampled]
         decoded = None  # what the compiled decode step computed, if this step ran it
         drafting = batch is not None and self._drafts_this_step(batch)
-        verified: list[tuple[Sequence, torch.Tensor]] = []  # sequences with drafts, and their rows
+        # sequences with drafts, their rows' hidden states and (where the step computed them) logits
+        verified: list[tuple[Sequence, torch.Tensor, torch.Tensor | None]] = []
         if batch is not None:
             if drafting:
                 drafts = [[] if batch.is_prefill else seq.drafts for seq in batch.seqs]
-                all_rows, streams = self.runner.forward_rows(batch.seqs, batch.num_tokens, drafts)
+                all_rows, streams, all_logits = self.runner.forward_rows(batch.seqs, batch.num_tokens, drafts)
                 last = torch.stack([r[n - 1] for r, n in zip(all_rows, batch.num_tokens, strict=True)])
                 starts = [seq.num_computed for seq in batch.seqs]
             else:
                 last, decoded = self.runner.forward(batch.seqs, batch.num_tokens)
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
-                if drafting and seq.drafts and not batch.is_prefill:
-                    verified.append((seq, all_rows[i]))  # computed as far as the target accepts
+                if drafting and seq.drafts and not batch.is_prefill:  # computed as far as the target accepts
+                    verified.append((seq, all_rows[i], all_logits[i] if all_logits is not None else None))
                     continue
                 seq.num_computed += n
                 seq.last_hidden = last[i]
@@ -491,13 +495,13 @@ class LLMEngine:
             return not self.speculation.is_off
         return self.speculation.speculates(len(batch.seqs))
 
-    def _accept_drafts(self, verified: list[tuple[Sequence, torch.Tensor]]) -> list[RequestOutput]:
+    def _accept_drafts(self, verified: list[tuple[Sequence, torch.Tensor, torch.Tensor | None]]) -> list[RequestOutput]:
         """Verify each sequence's drafts against the target's rows [1 + k, hidden] (its pending token's,
         then each draft's): the drafts it accepts and the token it adds after them are the step's
         new tokens (engine/speculation.py), and the rows up to the last accepted draft its computed ones."""
         outputs = []
-        for seq, hidden in verified:
-            logits = self.model.compute_logits(hidden)
+        for seq, hidden, logits in verified:
+            logits = self.model.compute_logits(hidden) if logits is None else logits
             drafts, params = seq.drafts, seq.params
             if params.greedy:
                 verdict = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)

@@ -35,6 +35,7 @@ class ModelRunner:
         kernel_backend: str | None,
         compile_decode: bool,
         on_compile_progress: Callable[[int, int], None] | None = None,
+        with_streams: bool = False,
     ):
         """`compile_decode`: run decode steps as compiled graphs (engine/compiled_decode.py), compiled
         or loaded from the disk cache in the background from here on; a step whose batch's graph is
@@ -53,7 +54,9 @@ class ModelRunner:
         self.ngram_context = getattr(model, "ngram_context", 0)
         compile_decode = compile_decode and model.compiles_decode
         self.compiled_decode = (
-            CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress) if compile_decode else None
+            CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress, streams=with_streams)
+            if compile_decode
+            else None
         )
 
     # -- a scheduled step -----------------------------------------------------------------------
@@ -85,17 +88,52 @@ class ModelRunner:
 
     def forward_rows(
         self, seqs: list[Sequence], num_tokens: list[int], drafts: list[list[int]]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Compute each sequence's scheduled tokens and then its drafts, eager: per sequence, every
-        row's final hidden state [n, hidden] and residual streams [n, hc_mult, hidden] (what a
-        verify step accepts from and the drafter drafts from)."""
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """Compute each sequence's scheduled tokens and then its drafts: per sequence, every row's
+        final hidden state [n, hidden], residual streams [n, hc_mult, hidden] (what a verify step
+        accepts from and the drafter drafts from) and, where a compiled graph computed them, logits.
+
+        A verify step (one scheduled token per sequence, then its drafts) runs each row as a row
+        of a decode step, the rows of one sequence at consecutive positions in its slot: a decode
+        step writes every row's state before any row reads it, and the rings' room for drafts
+        hides each row's later ones from it. So it runs through the compiled decode graph of its
+        row count where that is ready."""
         tokens = [
             seq.tokens_between(seq.num_computed, seq.num_computed + n) + extra
             for seq, n, extra in zip(seqs, num_tokens, drafts, strict=True)
         ]
-        hidden, streams = self.model.forward_with_streams(self._eager_step(seqs, tokens), self.cache)
         lengths = [len(t) for t in tokens]
-        return list(hidden.split(lengths)), list(streams.split(lengths))
+        logits = None
+        if all(n == 1 for n in num_tokens):
+            hidden, streams, logits = self._decode_rows(seqs, tokens)
+        else:
+            hidden, streams = self.model.forward_with_streams(self._eager_step(seqs, tokens), self.cache)
+        split = [list(t.split(lengths)) if t is not None else None for t in (hidden, streams, logits)]
+        return split[0], split[1], split[2]
+
+    def _decode_rows(
+        self, seqs: list[Sequence], tokens: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Every token of `tokens[i]` as a row of one decode step at seqs[i]'s next positions."""
+        rows = [
+            (seq, seq.num_computed + j, token)
+            for seq, chunk in zip(seqs, tokens, strict=True)
+            for j, token in enumerate(chunk)
+        ]
+        positions = [position for _, position, _ in rows]
+        compiled = self.compiled_decode
+        if compiled is not None and compiled.streams and compiled.is_ready(len(rows)):
+            decoded = compiled(
+                [token for _, _, token in rows],
+                positions,
+                [seq.slot for seq, _, _ in rows],
+                [seq.block_table for seq, _, _ in rows],
+            )
+            return decoded.hidden, decoded.streams, decoded.logits
+        slices = [SeqSlice(seq.slot, position, 1, list(seq.block_table)) for seq, position, _ in rows]
+        step = StepInput.of(torch.tensor([token for _, _, token in rows], dtype=torch.long, device=self.device), slices)
+        hidden, streams = self.model.forward_with_streams(step, self.cache)
+        return hidden, streams, None
 
     def _eager_step(self, seqs: list[Sequence], tokens: list[list[int]]) -> StepInput:
         """The step computing `tokens[i]` at seqs[i]'s next positions."""

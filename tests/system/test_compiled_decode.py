@@ -136,14 +136,14 @@ def test_wider_block_tables_pass_the_graphs_guards(compiled):
 
     decode, cache = compiled.compiled_decode, compiled.cache
     for size in decode.buckets:
-        graph = decode._graphs[size]
+        graph = decode._graphs["decode", size]
         for width in (decode.min_width, decode.min_width + 1, 3 * decode.min_width + 5):
             # one padding-like row (token 0 at position 0 in the scratch slot) with a table this wide
             inputs = decode._padded(size, [0], [0], [cache.scratch_slot], [[cache.scratch_block] * width])
             with torch.compiler.set_stance("fail_on_recompile"):
                 graph(decode.model, cache, *inputs)
         assert len(_debug_get_cache_entry_list(graph._torchdynamo_orig_callable.__code__)) == 1
-        assert decode._direct[size] is not None
+        assert decode._direct["decode", size] is not None
 
 
 def test_prompts_prefilled_a_token_a_step_through_the_compiled_step(compiled_one_token_chunks, prompts, expected):
