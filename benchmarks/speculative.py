@@ -4,11 +4,13 @@ The checkpoint is the `tiny-vocab` config (benchmarks/engine_vs_transformers.py)
 layout, with its MTP module trained on the model's own greedy outputs (`deepmesh make-model
 --train-drafter`, engine/checkpoint/train_drafter.py): random draft weights would accept almost
 nothing. Equal random prompts, greedy; decode tokens/s at each batch size with speculation off
-(eager, and compiled unless --no-compile) and on for each number of drafted tokens, the ratio
-against eager-off measured in the same run, whether the tokens are the same, the share of drafts
-accepted and the mean tokens a verify step adds (accepted drafts + 1).
+(eager, and compiled unless --no-compile) and on for each number of drafted tokens (its verify
+steps and drafts through compiled graphs too, unless --no-compile), the ratio against eager-off
+measured in the same run, whether the tokens are the same, the share of drafts
+accepted, the mean tokens a verify step adds (accepted drafts + 1) and what a speculating step
+costs against a plain one (those tokens over the speed-up: the drafter's runs and the verify rows).
 
-    python benchmarks/speculative.py [--batches 1 4 16] [--drafts 1 2 3] [--train-steps 2000]
+    python benchmarks/speculative.py [--batches 1 4 16] [--drafts 1 2 3] [--train-steps 3000]
         [--prompt-len 64] [--new-tokens 96] [--rounds 3] [--no-compile]
 """
 
@@ -59,7 +61,7 @@ def main() -> None:
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--train-steps", type=int, default=2000)
+    parser.add_argument("--train-steps", type=int, default=3000)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating; rates are their medians")
@@ -77,17 +79,17 @@ def main() -> None:
     options = {"max_num_seqs": max(args.batches), "max_num_batched_tokens": 2048}
     eager = LLMEngine.from_pretrained(model, **options)
     engines = {"off": eager}
-    if not args.no_compile and (compiled := compiled_beside(eager, options)) is not None:
+    compiling = not args.no_compile and (compiled := compiled_beside(eager, options)) is not None
+    if compiling:
         engines["off, compiled"] = compiled
     for k in args.drafts:
-        engines[f"mtp k={k}"] = LLMEngine(
-            eager.model,
-            weights=eager.weights,
-            speculative="mtp",
-            speculative_tokens=k,
-            speculative_max_batch=max(args.batches),
-            **options,
-        )
+        speculation = {"speculative": "mtp", "speculative_tokens": k, "speculative_max_batch": max(args.batches)}
+        # a verify step's rows are decode rows: room for every drafted row of the largest batch
+        speculation["max_num_seqs"] = max(args.batches) * (k + 1)
+        if compiling:  # verify steps and the module's rows through the graphs too
+            engines[f"mtp k={k}, compiled"] = compiled_beside(eager, options | speculation)
+        else:
+            engines[f"mtp k={k}"] = LLMEngine(eager.model, weights=eager.weights, **(options | speculation))
     print(f"checkpoint {model}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     torch.manual_seed(0)
     warm = torch.randint(0, eager.config.vocab_size, (2, 16))
@@ -96,7 +98,8 @@ def main() -> None:
 
     results = []
     columns = ("batch", 5), ("engine", 14), ("decode tok/s", 12), ("vs off", 6), ("same", 4), ("accepted", 8)
-    header = " | ".join(f"{name:>{width}}" for name, width in (*columns, ("tokens/verify", 13)))
+    columns += ("tokens/verify", 13), ("step cost", 9)
+    header = " | ".join(f"{name:>{width}}" for name, width in columns)
     print(f"\n{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n{header}\n{'-' * len(header)}")
     for batch in args.batches:
         prompts = torch.randint(0, eager.config.vocab_size, (batch, args.prompt_len))
@@ -112,9 +115,11 @@ def main() -> None:
             drafted, accepted, verified = counts[name]
             share = f"{accepted / drafted:.0%}" if drafted else ""
             per_verify = f"{(accepted + verified) / verified:.2f}" if verified else ""
+            # what a speculating step costs against a step without: its tokens over its speed-up
+            cost = f"{(accepted + verified) / verified / (speed / base):.2f}x" if verified else ""
             same = tokens[name] == tokens["off"]
-            shown = f"{speed / base:.2f}x", "yes" if same else "NO", share, per_verify
-            cells = " | ".join(f"{value:>{width}}" for value, width in zip(shown, (6, 4, 8, 13), strict=True))
+            shown = f"{speed / base:.2f}x", "yes" if same else "NO", share, per_verify, cost
+            cells = " | ".join(f"{value:>{width}}" for value, width in zip(shown, (6, 4, 8, 13, 9), strict=True))
             print(f"{batch:>5} | {name:>14} | {speed:>12.1f} | {cells}")
             results.append(
                 {

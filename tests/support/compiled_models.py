@@ -25,13 +25,14 @@ from engine.config import CSA, HCA, SLIDING
 SLOTS = 4  # the engines' max_num_seqs: buckets 1, 2 and 4
 
 
-def write_three_layer_model(directory: Path) -> Path:
+def write_three_layer_model(directory: Path, layout: str = "transformers") -> Path:
     """The tiny preset with one layer of each kind (HCA, CSA and sliding-window attention; hash
-    and routed MoE) instead of four: every kind of layer is compiled, in less time."""
+    and routed MoE) instead of four: every kind of layer is compiled, in less time. In the
+    published layout, with an MTP module."""
     config = preset_config(
         "tiny", num_hidden_layers=3, layer_types=[HCA, CSA, SLIDING], mlp_layer_types=["hash_moe", "moe", "moe"]
     )
-    return write_checkpoint(directory, config, seed=1)
+    return write_checkpoint(directory, config, seed=1, layout=layout)
 
 
 def write_four_layer_v41_model(directory: Path) -> Path:

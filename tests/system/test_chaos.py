@@ -1,6 +1,8 @@
 """Every kind of service killed while jobs run, and the broker restarted, with real processes
 over real Kafka (tests/chaos.py): no answer lost, hung or different from a single-process run.
-benchmarks/chaos_soak.py runs the same harness longer, with random faults."""
+One process of each kind: a killed worker's jobs wait for the one started in its place (jobs
+moving to a second replica: tests/system/test_routing_distributed.py). benchmarks/chaos_soak.py
+runs the same harness longer, with two replicas of each worker and random faults."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def test_streams_and_jobs_survive_every_kind_of_kill_and_a_broker_restart(model,
     require_service("DEEPMESH_KAFKA_BOOTSTRAP")
     bodies = [body(i, max_tokens=16) for i in range(30)]
     expected = expected_answers(model, bodies)
-    cluster = start_cluster(tmp_path, model, replicas=2)
+    cluster = start_cluster(tmp_path, model, replicas=1)
     streams, jobs = Outcome(), Outcome()
     try:
         # streams (the gateway stays up): each worker kind, the cache and the broker, one after another
