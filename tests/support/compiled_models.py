@@ -3,8 +3,8 @@
 Their decode graphs go through AOTAutograd's eager backend: Dynamo traces the step into one
 graph per bucket and functionalizes it, as for Inductor, and the engine runs it as a compiled
 step (padding, inputs, guards, the direct call), in seconds. Inductor's code generation takes
-about 40 s of one core per bucket on a fresh machine: the module compiles one bucket of
-DeepSeek-V4's through it, as served; benchmarks/engine_vs_transformers.py and
+about 40 s of one core per bucket of the three-layer model on a fresh machine: the module
+compiles one bucket of a one-layer DeepSeek-V4 model through it, as served; benchmarks/engine_vs_transformers.py and
 benchmarks/engine_v41.py compare every bucket they compile with eager, on both families.
 """
 
@@ -33,6 +33,13 @@ def write_three_layer_model(directory: Path, layout: str = "transformers") -> Pa
         "tiny", num_hidden_layers=3, layer_types=[HCA, CSA, SLIDING], mlp_layer_types=["hash_moe", "moe", "moe"]
     )
     return write_checkpoint(directory, config, seed=1, layout=layout)
+
+
+def write_one_layer_model(directory: Path) -> Path:
+    """One CSA layer (window, compressor and indexer; a routed MoE): what Inductor compiles in the
+    module, about a third of the three-layer model's code generation."""
+    config = preset_config("tiny", num_hidden_layers=1, layer_types=[CSA], mlp_layer_types=["moe"])
+    return write_checkpoint(directory, config, seed=1)
 
 
 def write_four_layer_v41_model(directory: Path) -> Path:
