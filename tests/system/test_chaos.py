@@ -25,7 +25,7 @@ def test_streams_and_jobs_survive_every_kind_of_kill_and_a_broker_restart(model,
     streams, jobs = Outcome(), Outcome()
     try:
         # streams (the gateway stays up): each worker kind, the cache and the broker, one after another
-        with Faults(cluster, ["tokenizer", "prefill", "decode", "cache", "broker"], every=3.0) as faults:
+        with Faults(cluster, ["tokenizer", "prefill", "decode", "cache", "broker"], every=2.0) as faults:
             run_streams(cluster.url, bodies[:22], expected[:22], 180, streams, spacing=1.0, until=faults.finished)
         # async jobs: the gateway killed too, and a decode
         with Faults(cluster, ["gateway", "decode"], every=2.0) as job_faults:
