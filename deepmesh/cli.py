@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="STEPS",
-        help="train the MTP module (--format deepseek) on the model's own greedy outputs for STEPS steps "
-        "(about 0.1 s each for the tiny preset), so that speculative decoding accepts its drafts",
+        help="train the MTP module (--format deepseek) on the model's own greedy outputs for STEPS steps, "
+        "so that speculative decoding accepts its drafts (the tiny preset: 100 steps took 669 s on 2 cores, "
+        "its 129,280-token output projection most of it)",
     )
     make.set_defaults(run=_make_model)
 
