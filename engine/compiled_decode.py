@@ -83,9 +83,7 @@ def _decode(
     ngram_context: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
     step = StepInput(input_ids, positions, slots=slots, block_tables=block_tables, ngram_context=ngram_context)
-    hidden = model(step, cache)
-    columns = model.lm_head.backend.logit_columns(hidden, model.lm_head.weight)  # [vocab, B]
-    return hidden, columns.T, columns.logsumexp(dim=0), columns.argmax(dim=0)
+    return _sampled_from(model, model(step, cache))
 
 
 def _decode_with_streams(
@@ -100,11 +98,16 @@ def _decode_with_streams(
     """_decode, also giving the residual streams the final hidden state collapses (the MTP drafter's input)."""
     step = StepInput(input_ids, positions, slots=slots, block_tables=block_tables, ngram_context=ngram_context)
     hidden, streams = model.forward_with_streams(step, cache)
+    return *_sampled_from(model, hidden), streams
+
+
+def _sampled_from(model: DecodeModel, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The final hidden states [B, hidden], then the logits [B, vocab] and what sampling reads of them."""
     columns = model.lm_head.backend.logit_columns(hidden, model.lm_head.weight)  # [vocab, B]
-    return hidden, columns.T, columns.logsumexp(dim=0), columns.argmax(dim=0), streams
+    return hidden, columns.T, columns.logsumexp(dim=0), columns.argmax(dim=0)
 
 
-def _draft(
+def draft_rows(
     model: DeepseekV4ForCausalLM,
     cache: StateCache,
     input_ids: torch.Tensor,
@@ -113,8 +116,8 @@ def _draft(
     floors: torch.Tensor,
     streams: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """The MTP module's rows (engine/drafter.py) as one decode step: each row's most likely next
-    token and the module's own streams."""
+    """The MTP module's rows (engine/drafter.py) as one decode step, eager or as a bucket's draft
+    graph: each row's most likely next token and the module's own streams."""
     step = StepInput(input_ids, positions, slots=slots, keep_from=floors)
     embeds = model.model.embed_tokens(input_ids)
     hidden, own = model.mtp[0].draft(embeds, streams, step, model.model.rope(positions, embeds.dtype), cache)
@@ -232,7 +235,7 @@ class CompiledDecode:
         self.min_width = min_width(cache)
         kinds = {"decode": lambda size: _decode_function(size, streams)}
         if streams:
-            kinds["draft"] = lambda size: _named(_draft, size)
+            kinds["draft"] = lambda size: _named(draft_rows, size)
         self._graphs = {
             (kind, size): torch.compile(function(size), dynamic=False, fullgraph=True)
             for kind, function in kinds.items()

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.compiled_decode import CompiledDecode
-from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput
+from engine.compiled_decode import CompiledDecode, draft_rows
+from engine.model import DeepseekV4ForCausalLM, SeqSlice
 from engine.sequence import Sequence
 from engine.state_cache import StateCache
 
@@ -92,23 +92,11 @@ class MtpDrafter:
         row's most likely next token [n] and the module's own streams [n, hc, d]. Through the
         compiled graph of the row count where it is ready."""
         rows = [(s, s.start + j) for s in slices for j in range(s.length)]
-        device = self.device
+        positions = [position for _, position in rows]
+        slots, floors = [s.slot for s, _ in rows], [s.keep_from for s, _ in rows]
         if self.compiled is not None and self.compiled.is_ready(len(rows)):
-            positions = [position for _, position in rows]
-            slots, floors = [s.slot for s, _ in rows], [s.keep_from for s, _ in rows]
             return self.compiled.draft(tokens, positions, slots, floors, streams)
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        input_ids, positions = tensor(tokens), tensor([position for _, position in rows])
-        step = StepInput(
-            input_ids,
-            positions,
-            slots=tensor([s.slot for s, _ in rows]),
-            keep_from=tensor([s.keep_from for s, _ in rows]),
+        inputs = (
+            torch.tensor(values, dtype=torch.long, device=self.device) for values in (tokens, positions, slots, floors)
         )
-        embeds = self.model.model.embed_tokens(input_ids)
-        rope = self.model.model.rope(positions, embeds.dtype)
-        hidden, own = self.module.draft(embeds, streams, step, rope, self.cache)
-        return self.model.compute_logits(hidden).argmax(dim=-1), own
+        return draft_rows(self.model, self.cache, *inputs, streams)

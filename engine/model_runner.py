@@ -9,6 +9,7 @@ run is the engine's to say, and their slots and blocks come from the KV manager.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Iterator
 
@@ -74,17 +75,11 @@ class ModelRunner:
         decode_shaped = all(n == 1 for n in num_tokens) and not in_truncated_prompt
         if compiled is not None and decode_shaped and compiled.is_ready(len(seqs)):
             return self._compiled_step(compiled, seqs)
-        step = self._eager_step(
-            seqs,
-            [
-                seq.tokens_between(seq.num_computed, seq.num_computed + n)
-                for seq, n in zip(seqs, num_tokens, strict=True)
-            ],
-        )
-        ends = torch.tensor(num_tokens).cumsum(0) - 1
-        return self.model(step, self.cache)[
-            ends.to(self.device)
-        ].clone(), None  # each sequence's last token of the step
+        tokens = [
+            seq.tokens_between(seq.num_computed, seq.num_computed + n) for seq, n in zip(seqs, num_tokens, strict=True)
+        ]
+        ends = [end - 1 for end in itertools.accumulate(num_tokens)]  # each sequence's last token of the step
+        return self.model(self._eager_step(seqs, tokens), self.cache)[ends].clone(), None
 
     def forward_rows(
         self, seqs: list[Sequence], num_tokens: list[int], drafts: list[list[int]]

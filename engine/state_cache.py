@@ -121,11 +121,35 @@ class CompressorState:
     def ring_size(self) -> int:
         return self.ring_kv.shape[1]
 
-    def window_rows(self, entry_ids: torch.Tensor) -> torch.Tensor:
-        """Ring rows [n, lookback + rate] of the tokens each entry pools, the lookback first
-        (positions before 0 map to rows an entry 0 masks)."""
-        span = torch.arange(-self.lookback, self.rate, device=entry_ids.device)
-        return (entry_ids.unsqueeze(1) * self.rate + span) % self.ring_size
+    def add_chunk(
+        self, slot: int, start: int, kv: torch.Tensor, gate: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A chunk of one sequence's projections from position `start` into its ring. Returns them
+        after those the ring holds from `begin` on (the first position the entry open at `start`
+        pools, less the lookback), and `begin`."""
+        ring = self.ring_size
+        begin = max(0, start // self.rate * self.rate - self.lookback)
+        earlier = torch.arange(begin, start, device=kv.device) % ring
+        joined_kv = torch.cat([self.ring_kv[slot, earlier], kv])
+        joined_gate = torch.cat([self.ring_gate[slot, earlier], gate])
+        keep = min(len(kv), ring)  # the last rows of a long chunk are all later tokens read
+        rows = torch.arange(start + len(kv) - keep, start + len(kv), device=kv.device) % ring
+        self.ring_kv[slot, rows] = kv[-keep:]
+        self.ring_gate[slot, rows] = gate[-keep:]
+        return joined_kv, joined_gate, begin
+
+    def add_rows(
+        self, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row per sequence (or several, at consecutive positions) into the rings, every row
+        before any is read; then each row's entry's window [n, lookback + rate, width], the
+        lookback first (positions before 0 land on rows that an entry 0 masks)."""
+        ring = self.ring_size
+        self.ring_kv[slots, positions % ring] = kv
+        self.ring_gate[slots, positions % ring] = gate
+        span = torch.arange(-self.lookback, self.rate, device=positions.device)
+        rows = ((positions // self.rate * self.rate).unsqueeze(1) + span) % ring
+        return self.ring_kv[slots.unsqueeze(1), rows], self.ring_gate[slots.unsqueeze(1), rows]
 
     def block_index(self, entry_ids: torch.Tensor) -> torch.Tensor:
         """Which of a sequence's blocks (position in its block table) holds each entry."""

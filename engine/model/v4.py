@@ -136,12 +136,9 @@ class Compressor(nn.Module):
 
     def update_prefill(self, kv: torch.Tensor, gate: torch.Tensor, s: SeqSlice, state: CompressorState) -> None:
         """Add one sequence chunk's projections to its ring; pool and write every window they close."""
-        m, ring = self.rate, state.ring_size
+        m = self.rate
         window_start = (s.start // m) * m
-        begin = max(0, window_start - state.lookback)  # the earliest token a closing entry reads
-        before = torch.arange(begin, s.start, device=kv.device) % ring
-        kv = torch.cat([state.ring_kv[s.slot, before], kv])
-        gate = torch.cat([state.ring_gate[s.slot, before], gate])
+        kv, gate, begin = state.add_chunk(s.slot, s.start, kv, gate)  # from the earliest token a closing entry reads
         n_windows = (s.start + s.length) // m - window_start // m
         if n_windows:
             first_entry = window_start // m
@@ -161,10 +158,6 @@ class Compressor(nn.Module):
             entries = self.pool(kv_w, gate_w, prev_kv, prev_gate, has_prev, entry_ids * m)
             block_table = torch.tensor(s.block_table, device=kv.device)
             state.store(block_table[state.block_index(entry_ids)], entry_ids, entries)
-        keep = min(s.length, ring)
-        rows = torch.arange(s.start + s.length - keep, s.start + s.length, device=kv.device)
-        state.ring_kv[s.slot, rows % ring] = kv[-keep:]
-        state.ring_gate[s.slot, rows % ring] = gate[-keep:]
 
     def update_decode(
         self, kv: torch.Tensor, gate: torch.Tensor, step: StepInput, state: CompressorState, scratch_block: int
@@ -175,13 +168,10 @@ class Compressor(nn.Module):
         the entry (the others write it to the scratch block): the same work whoever closes, so
         the step has no data-dependent shape for a compiler to break on.
         """
-        m, slots = self.rate, step.slots
-        state.ring_kv[slots, step.positions % state.ring_size] = kv
-        state.ring_gate[slots, step.positions % state.ring_size] = gate
+        m = self.rate
+        window_kv, window_gate = state.add_rows(step.slots, step.positions, kv, gate)  # [B, lookback + m, width]
         closing = step.positions % m == m - 1
         entry_ids = step.positions // m
-        rows = state.window_rows(entry_ids)  # [B, lookback + m]
-        window_kv, window_gate = state.ring_kv[slots.unsqueeze(1), rows], state.ring_gate[slots.unsqueeze(1), rows]
         prev_kv = prev_gate = has_prev = None
         if self.overlap:
             d = self.dim

@@ -94,15 +94,8 @@ class Compressor(nn.Module):
         """Add a chunk's projections to the sequence's ring; (entry ids, entries) of the windows it closes."""
         r = self.rate
         window_start = (s.start // r) * r
-        if r > 1:
-            ring = state.ring_size
-            before = torch.arange(window_start, s.start, device=latent.device) % ring
-            latent = torch.cat([state.ring_kv[s.slot, before], latent])
-            score = torch.cat([state.ring_gate[s.slot, before], score])
-            keep = min(s.length, ring)
-            rows = torch.arange(s.start + s.length - keep, s.start + s.length, device=latent.device) % ring
-            state.ring_kv[s.slot, rows] = latent[-keep:]
-            state.ring_gate[s.slot, rows] = score[-keep:]
+        if r > 1:  # from the window open at the chunk's start (ratio 1 has none)
+            latent, score, _ = state.add_chunk(s.slot, s.start, latent, score)
         n = (s.start + s.length) // r - window_start // r
         if not n:
             return None
@@ -120,11 +113,7 @@ class Compressor(nn.Module):
         entry_ids = step.positions // r
         if r == 1:
             return entry_ids, self.pool(latent.unsqueeze(1), None), torch.ones_like(entry_ids, dtype=torch.bool)
-        state.ring_kv[step.slots, step.positions % state.ring_size] = latent
-        state.ring_gate[step.slots, step.positions % state.ring_size] = score
-        rows = state.window_rows(entry_ids)
-        slots = step.slots.unsqueeze(1)
-        entries = self.pool(state.ring_kv[slots, rows], state.ring_gate[slots, rows])
+        entries = self.pool(*state.add_rows(step.slots, step.positions, latent, score))
         return entry_ids, entries, step.positions % r == r - 1
 
 
