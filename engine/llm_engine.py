@@ -81,7 +81,7 @@ class LLMEngine:
         self.max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
-        drafting = _speculation_method(model, speculative)
+        drafting = _drafts_with_mtp(model, speculative)
         self.speculation = SpeculationSwitch(speculative if drafting else "off", speculative_max_batch)
         self.speculative_tokens = speculative_tokens if drafting else 0
         if drafting and speculative_tokens < 1:
@@ -721,7 +721,7 @@ def _snapshot_positions(positions: SequenceOf[int], prompt_len: int) -> list[int
     return sorted(set(positions))
 
 
-def _speculation_method(model: torch.nn.Module, mode: str) -> bool:
+def _drafts_with_mtp(model: torch.nn.Module, mode: str) -> bool:
     """Whether the engine drafts at all: "mtp" needs the checkpoint's multi-token-prediction
     module, "auto" uses it where there is one."""
     if mode not in SPECULATIVE_MODES:
