@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
+from pathlib import Path
 
 from tests.support.leftovers import MARK, leftovers, wait_for_leftovers
 
@@ -15,7 +17,13 @@ def sleeper(token: str | None) -> subprocess.Popen:
     env = {key: value for key, value in os.environ.items() if key != MARK}
     if token is not None:
         env[MARK] = token
-    return subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    process = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    # between fork and exec /proc shows the parent's environment, without the mark: wait for the exec
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{process.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+        assert time.monotonic() < deadline, "sleep did not start"
+        time.sleep(0.001)
+    return process
 
 
 def test_a_process_the_run_started_is_found_wherever_it_went_and_killed(tmp_path):
