@@ -1,10 +1,14 @@
 """Restarts of `deepmesh serve`, as operators do them: SIGTERM, and kill -9.
 
 SIGTERM drains and exits within seconds, with the cache's write-behind done: after the restart
-an identical repeat is served from the cache but for nothing at all. kill -9 loses what only
-memory held: after that restart the catalog no longer lists it, and a conversation resumes
-from the best anchor that did survive, never from none. Every answer equals the greedy answer
-of one process that never restarted.
+an identical repeat is served from the cache but for what the model always computes. kill -9
+loses what only memory held: after that restart the catalog no longer lists it, and a
+conversation resumes from the best anchor that did survive, never from none. Every answer equals
+the greedy answer of one process that never restarted.
+
+On DeepSeek-V4.1, whose prompts compute their last KEEP tokens whatever is stored: the stricter
+case for the anchors. The cache's store and restarts are the same code for DeepSeek-V4, whose
+full hits after a restart tests/system/test_cache_replicas.py checks.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import pytest
 from common.blocks import BLOCK_SIZE
 from tests.support.behaviour import GREEDY, MODEL, one_process_answer
 from tests.support.infra import free_port, wait_until_up
-from tests.support.models import family_preset
 
 TURN_1 = [{"role": "user", "content": "Tell me about Kafka partitions and offsets. " * 60}]
 
@@ -77,12 +80,10 @@ def model(tiny_preset) -> Path:
     return tiny_preset
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v41"])
-def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(family, request, tmp_path):
-    """On DeepSeek-V4.1 a prompt always computes its last KEEP (140) tokens: a repeat starts from
-    the last block boundary before them, and so does the second turn (from the first's blocks)."""
-    model = family_preset(request, family)
-    keep = 140 if family == "deepseek_v41" else 0
+def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(tiny_v41_preset, tmp_path):
+    """A DeepSeek-V4.1 prompt always computes its last KEEP (140) tokens: a repeat starts from the
+    last block boundary before them, and so does the second turn (from the first's blocks)."""
+    model, keep = tiny_v41_preset, 140
     serve = Serve(model, tmp_path).start()
     try:
         first = serve.chat(TURN_1)
@@ -93,18 +94,12 @@ def test_sigterm_keeps_the_cache_and_kill_9_falls_back_to_what_survived(family, 
         serve.start()  # write-behind ran at the exit: every entry the catalog lists is on disk
         repeat = serve.chat(TURN_1)
         prompt_tokens = first["usage"]["prompt_tokens"]
-        if keep:
-            assert cached(repeat) == (prompt_tokens - keep) // BLOCK_SIZE * BLOCK_SIZE > 0
-        else:
-            assert cached(repeat) == prompt_tokens, "an identical repeat computes nothing"
+        assert cached(repeat) == (prompt_tokens - keep) // BLOCK_SIZE * BLOCK_SIZE > 0
         assert repeat["choices"][0]["message"] == first["choices"][0]["message"]
         turn_2 = [*TURN_1, first["choices"][0]["message"], {"role": "user", "content": "And consumer groups?"}]
         second = serve.chat(turn_2)
         resumed_at = cached(second)  # from the first turn's stored state: what will survive the kill
-        if keep:
-            assert 0 < resumed_at <= second["usage"]["prompt_tokens"] - keep
-        else:
-            assert prompt_tokens < resumed_at < second["usage"]["prompt_tokens"]
+        assert 0 < resumed_at <= second["usage"]["prompt_tokens"] - keep
         serve.stop(signal.SIGKILL)  # the second turn's own entries were in memory only
 
         serve.start()
