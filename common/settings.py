@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     # two cores), loaded from .cache/torchinductor after
     compile_decode: bool = True
     # speculative decoding in decode steps (engine/speculation.py): auto, off, mtp (V4's
-    # multi-token-prediction module) or dspark; auto drafts where the checkpoint has a drafter
+    # multi-token-prediction module) or dspark (V4.1's draft model); auto drafts where the checkpoint has a drafter
     # and while its drafts are accepted often enough to pay. speculative_tokens drafts a step;
     # no speculation in a step of more than speculative_max_batch sequences
     speculative: Literal["auto", "off", "mtp", "dspark"] = "auto"

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         "make-model", help="write a deterministic random-weight DeepSeek-V4 (or, with a -v41 preset, V4.1) checkpoint"
     )
     make.add_argument("outdir", type=Path)
-    make.add_argument("--preset", choices=["tiny", "small", "tiny-v41", "small-v41"], default="tiny")
+    make.add_argument("--preset", choices=["tiny", "small", "tiny-v41", "tiny-v41-dspark", "small-v41"], default="tiny")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument(
         "--format",

@@ -20,7 +20,7 @@ What the config derives (the "layer plan"):
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,36 @@ class V41Config:
     @property
     def rope_head_dim(self) -> int:
         return self.qk_rope_head_dim
+
+    # ---- DSpark, the draft model (engine/model/dspark.py): `num_nextn_predict_layers` stages
+    @property
+    def has_dspark(self) -> bool:
+        return self.num_nextn_predict_layers > 0 and "dspark_target_layer_ids" in self.dspark
+
+    @property
+    def dspark_target_layer_ids(self) -> list[int]:
+        """The layers whose attention input (the streams' mean) the draft model reads."""
+        return [int(i) for i in self.dspark.get("dspark_target_layer_ids", [])]
+
+    @property
+    def dspark_markov_rank(self) -> int:
+        return int(self.dspark.get("dspark_markov_rank", 0))
+
+    @property
+    def dspark_noise_token_id(self) -> int:
+        """The token every draft row past the first reads: a fixed embedding, not random noise."""
+        return int(self.dspark.get("dspark_noise_token_id", 0))
+
+    @property
+    def dspark_block_size(self) -> int:
+        return int(self.dspark.get("dspark_block_size", 5))
+
+    def dspark_stage_config(self) -> V41Config:
+        """The config a draft stage's MoE is built from: its own expert count and top-k."""
+        stage = replace(self)
+        stage.n_routed_experts = int(self.dspark.get("dspark_n_routed_experts", self.n_routed_experts))
+        stage.num_experts_per_tok = int(self.dspark.get("dspark_num_experts_per_tok", self.num_experts_per_tok))
+        return stage
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -258,6 +288,8 @@ class V41Config:
             self._validate_candidates()
         if self.engram_layer_ids:
             self._validate_engram()
+        if self.has_dspark:
+            self._validate_dspark()
         if self.prefill_keep_tokens and self.prefill_keep_tokens < self.sliding_window:
             raise refuse(
                 f"prefill_keep_tokens {self.prefill_keep_tokens} must be at least the window {self.sliding_window}"
@@ -325,6 +357,23 @@ class V41Config:
         if late := [i for i in self.engram_layer_ids if not 0 <= i < min(self.yoco_boundary, self.num_hidden_layers)]:
             raise refuse(f"engram_layer_ids {late} must be layers before the first YOCO consumer layer")
 
+    def _validate_dspark(self) -> None:
+        refuse, targets, stages = (
+            UnsupportedCheckpointError,
+            self.dspark_target_layer_ids,
+            self.num_nextn_predict_layers,
+        )
+        if len(targets) != stages:  # SGLang's rule: one stage per target layer
+            raise refuse(f"dspark_target_layer_ids has {len(targets)} layers for {stages} stages")
+        if bad := [i for i in targets if not 0 <= i < self.num_hidden_layers]:
+            raise refuse(f"dspark_target_layer_ids {bad} are not layers of the model")
+        if self.dspark_markov_rank <= 0:
+            raise refuse("dspark_markov_rank must be positive: the draft model's Markov head needs it")
+        if not self.dspark.get("dspark_target_attn_input", True):
+            raise refuse("dspark_target_attn_input false is not supported (DeepInfer reads attention inputs only)")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            raise refuse(f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary")
+
     def to_dict(self) -> dict[str, Any]:
         """config.json in DeepInfer's nested layout."""
         text = asdict(self)
@@ -341,6 +390,8 @@ class V41Config:
         if text["index_k_source_layer_ids"] is None:  # DeepInfer defaults it only when the key is absent
             del text["index_k_source_layer_ids"]
         text.update(self.dspark)
+        # DeepInfer lists a ratio for every draft stage too (window-only: 0)
+        text["compress_ratios"] = [*self.compress_ratios, *[0] * self.num_nextn_predict_layers]
         text["model_type"] = MODEL_TYPE
         if self.image_token_id is not None:
             top["image_token_id"] = self.image_token_id

@@ -1,4 +1,4 @@
-"""The multi-token-prediction drafter: proposes the tokens that follow each running sequence's
+"""The drafters: propose the tokens that follow each running sequence's
 pending one, for the target model to verify in its next step (engine/speculation.py).
 
 DeepSeek-V4's MTP module (engine/model/v4.py `MultiTokenPrediction`) computes its row at
@@ -20,6 +20,7 @@ import torch
 
 from engine.compiled_decode import CompiledDecode, draft_rows
 from engine.model import DeepseekV4ForCausalLM, SeqSlice
+from engine.model.dspark import draft_blocks
 from engine.sequence import Sequence
 from engine.state_cache import StateCache
 
@@ -100,3 +101,46 @@ class MtpDrafter:
             torch.tensor(values, dtype=torch.long, device=self.device) for values in (tokens, positions, slots, floors)
         )
         return draft_rows(self.model, self.cache, *inputs, streams)
+
+
+class DSparkDrafter:
+    """DeepSeek-V4.1's DSpark (engine/model/dspark.py): the target's steps store its main keys as
+    they run (in a cache with the stages' rings), so drafting needs no rows handed over: one forward of a block
+    per sequence, its pending token then noise tokens, gives every draft at once.
+
+    A sequence whose rows have a gap (its state was loaded, or steps ran without the drafter)
+    reads main keys from where this engine's rows start again (`draft_floor`) on."""
+
+    def __init__(self, model: torch.nn.Module, cache: StateCache, block_size: int):
+        self.model, self.cache, self.block_size = model, cache, block_size
+        self.device = model.lm_head.weight.device
+        self.compiled: CompiledDecode | None = None  # drafts run eager
+
+    @torch.inference_mode()
+    def advance(self, seqs: list[Sequence], streams: object, starts: list[int], wanted: list[int]) -> None:
+        """After a step that computed seqs[i]'s positions starts[i].. (their main keys stored), draft
+        wanted[i] tokens for each sequence whose pending token is known (`Sequence.drafts`)."""
+        drafting = []
+        for seq, start, k in zip(seqs, starts, wanted, strict=True):
+            if seq.draft_upto != start:  # a gap: earlier main keys in its slot are not its own
+                seq.draft_floor = start
+            seq.draft_upto, seq.drafts = seq.num_computed, []
+            if k and seq.num_tokens == seq.num_computed + 1:
+                drafting.append((seq, k))
+        if not drafting:
+            return
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        drafts, confidence = draft_blocks(
+            self.model,
+            self.cache,
+            tensor([seq.tokens_between(seq.num_computed, seq.num_tokens)[0] for seq, _ in drafting]),
+            tensor([seq.num_computed for seq, _ in drafting]),
+            tensor([seq.slot for seq, _ in drafting]),
+            tensor([seq.draft_floor for seq, _ in drafting]),
+            self.block_size,
+        )
+        for (seq, k), row, sure in zip(drafting, drafts.tolist(), confidence.tolist(), strict=True):
+            seq.drafts, seq.draft_confidence = row[:k], sure[:k]

@@ -50,7 +50,8 @@ def build_model(config: AnyConfig, path: str | Path | None = None, mtp_modules: 
     if isinstance(config, V41Config):
         from engine.model.v41 import DeepseekV41ForCausalLM
 
-        return DeepseekV41ForCausalLM(config, Path(path) / "tokenizer.json" if path is not None else None)
+        tokenizer = Path(path) / "tokenizer.json" if path is not None else None
+        return DeepseekV41ForCausalLM(config, tokenizer, mtp_modules if config.has_dspark else 0)
     from engine.model.v4 import DeepseekV4ForCausalLM
 
     return DeepseekV4ForCausalLM(config, mtp_modules)

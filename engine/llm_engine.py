@@ -21,7 +21,7 @@ from engine.checkpoint import load_model, weights_id
 from engine.compiled_decode import CompiledDecode
 from engine.config import ModelConfig
 from engine.config_v41 import V41Config
-from engine.drafter import MtpDrafter
+from engine.drafter import DSparkDrafter, MtpDrafter
 from engine.errors import InvalidRequestError, UnknownRequestError
 from engine.grammar import GrammarCompiler, consume
 from engine.kv_manager import KVManager
@@ -71,9 +71,10 @@ class LLMEngine:
         their batch's graph is ready (`wait_compiled` blocks until all are), and always where
         compiling is unavailable. `on_compile_progress(ready, planned)` hears of each graph ready.
         `speculative`: draft `speculative_tokens` tokens a step and verify them in the next
-        (engine/speculation.py): "mtp" with V4's multi-token-prediction module, "auto" where the
-        checkpoint has one and while what it drafts is accepted often enough, "off"; never for a
-        step of more than `speculative_max_batch` sequences."""
+        (engine/speculation.py): "mtp" with V4's multi-token-prediction module, "dspark" with
+        V4.1's draft model, "auto" with the checkpoint's drafter where it has one and while what it
+        drafts is accepted often enough, "off"; never for a step of more than
+        `speculative_max_batch` sequences."""
         self.model = model
         self.config: ModelConfig | V41Config = model.config
         self.device = model.lm_head.weight.device
@@ -81,7 +82,8 @@ class LLMEngine:
         self.max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
-        drafting = _drafts_with_mtp(model, speculative)
+        method = drafting_method(model, speculative)
+        drafting = method is not None
         self.speculation = SpeculationSwitch(speculative if drafting else "off", speculative_max_batch)
         self.speculative_tokens = speculative_tokens if drafting else 0
         if drafting and speculative_tokens < 1:
@@ -99,7 +101,11 @@ class LLMEngine:
             lookahead=self.speculative_tokens,
             draft_layers=len(model.mtp) if drafting else 0,
         )
-        self.drafter = MtpDrafter(model, self.kv.cache) if drafting else None
+        self.drafter: MtpDrafter | DSparkDrafter | None = None
+        if method == "mtp":
+            self.drafter = MtpDrafter(model, self.kv.cache)
+        elif method == "dspark":
+            self.drafter = DSparkDrafter(model, self.kv.cache, self.speculative_tokens)
         self.runner = ModelRunner(
             model,
             self.kv.cache,
@@ -108,7 +114,7 @@ class LLMEngine:
             kernel_backend=kernel_backend,
             compile_decode=compile_decode,
             on_compile_progress=on_compile_progress,
-            with_streams=self.drafter is not None,
+            with_streams=method == "mtp",
         )
         if self.drafter is not None:
             self.drafter.compiled = self.runner.compiled_decode
@@ -159,8 +165,10 @@ class LLMEngine:
 
     @property
     def speculative_method(self) -> str | None:
-        """The drafter's method ("mtp"), or None where the engine does not draft."""
-        return "mtp" if self.drafter is not None else None
+        """The drafter's method ("mtp", "dspark"), or None where the engine does not draft."""
+        if self.drafter is None:
+            return None
+        return "mtp" if isinstance(self.drafter, MtpDrafter) else "dspark"
 
     @property
     def backend(self) -> object:
@@ -523,7 +531,7 @@ class LLMEngine:
         """Give the drafter the rows this step computed that the target keeps; it drafts the next
         step's tokens of the sequences still running."""
         running = [i for i, seq in enumerate(seqs) if not seq.is_finished]
-        kept = [streams[i][: seqs[i].num_computed - starts[i]] for i in running]
+        kept = [streams[i][: seqs[i].num_computed - starts[i]] if streams else None for i in running]
         wanted = [self._draft_count(seqs[i]) for i in running]
         self.drafter.advance([seqs[i] for i in running], kept, [starts[i] for i in running], wanted)
 
@@ -721,14 +729,17 @@ def _snapshot_positions(positions: SequenceOf[int], prompt_len: int) -> list[int
     return sorted(set(positions))
 
 
-def _drafts_with_mtp(model: torch.nn.Module, mode: str) -> bool:
-    """Whether the engine drafts at all: "mtp" needs the checkpoint's multi-token-prediction
-    module, "auto" uses it where there is one."""
+def drafting_method(model: torch.nn.Module, mode: str) -> str | None:
+    """Which drafter the engine runs: "mtp" (V4's multi-token-prediction module) or "dspark"
+    (V4.1's draft model), each only with the checkpoint's weights; "auto" picks the one the
+    checkpoint has; None: the engine does not draft."""
     if mode not in SPECULATIVE_MODES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
-    if mode == "dspark":
-        raise ValueError("DSpark (DeepSeek-V4.1's drafter) is not supported yet; use --speculative off")
-    has_mtp = isinstance(model, DeepseekV4ForCausalLM) and len(model.mtp) > 0
-    if mode == "mtp" and not has_mtp:
-        raise ValueError("--speculative mtp needs a checkpoint with a multi-token-prediction module (mtp.0.*)")
-    return mode != "off" and has_mtp
+    has = "mtp" if isinstance(model, DeepseekV4ForCausalLM) else "dspark"
+    if not len(model.mtp):
+        has = None
+    if mode in ("mtp", "dspark") and has != mode:
+        weights = "a multi-token-prediction module (mtp.0.*)" if mode == "mtp" else "DSpark's stages (mtp.N.*)"
+        family = "DeepSeek-V4" if mode == "mtp" else "DeepSeek-V4.1"
+        raise ValueError(f"--speculative {mode} needs a {family} checkpoint with {weights}")
+    return None if mode == "off" else has

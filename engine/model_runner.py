@@ -53,6 +53,7 @@ class ModelRunner:
         # V4.1's prompt truncation (engine/config_v41.py) and Engram windows; 0 for V4
         self.keep_tokens = getattr(model.config, "prefill_keep_tokens", 0)
         self.ngram_context = getattr(model, "ngram_context", 0)
+        self.with_streams = with_streams  # the V4 drafter's input: rows' residual streams too
         compile_decode = compile_decode and model.compiles_decode
         self.compiled_decode = (
             CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress, streams=with_streams)
@@ -86,7 +87,8 @@ class ModelRunner:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
         """Compute each sequence's scheduled tokens and then its drafts: per sequence, every row's
         final hidden state [n, hidden], residual streams [n, hc_mult, hidden] (what a verify step
-        accepts from and the drafter drafts from) and, where a compiled graph computed them, logits.
+        accepts from and V4's drafter drafts from; None without `with_streams`) and, where a
+        compiled graph computed them, logits.
 
         A verify step (one scheduled token per sequence, then its drafts) runs each row as a row
         of a decode step, the rows of one sequence at consecutive positions in its slot: a decode
@@ -102,7 +104,7 @@ class ModelRunner:
         if all(n == 1 for n in num_tokens):
             hidden, streams, logits = self._decode_rows(seqs, tokens)
         else:
-            hidden, streams = self.model.forward_with_streams(self._eager_step(seqs, tokens), self.cache)
+            hidden, streams = self._rows(self._eager_step(seqs, tokens))
         split = [list(t.split(lengths)) if t is not None else None for t in (hidden, streams, logits)]
         return split[0], split[1], split[2]
 
@@ -127,8 +129,20 @@ class ModelRunner:
             return decoded.hidden, decoded.streams, decoded.logits
         slices = [SeqSlice(seq.slot, position, 1, list(seq.block_table)) for seq, position, _ in rows]
         step = StepInput.of(torch.tensor([token for _, _, token in rows], dtype=torch.long, device=self.device), slices)
-        hidden, streams = self.model.forward_with_streams(step, self.cache)
+        if n := self.ngram_context:  # each row's window reads the drafts before it
+            step.ngram_context = torch.cat(
+                [
+                    ngram_context(seq.tokens_between(max(0, seq.num_computed - n), seq.num_computed), chunk, n)
+                    for seq, chunk in zip(seqs, tokens, strict=True)
+                ]
+            ).to(self.device)
+        hidden, streams = self._rows(step)
         return hidden, streams, None
+
+    def _rows(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.with_streams:
+            return self.model.forward_with_streams(step, self.cache)
+        return self.model(step, self.cache), None
 
     def _eager_step(self, seqs: list[Sequence], tokens: list[list[int]]) -> StepInput:
         """The step computing `tokens[i]` at seqs[i]'s next positions."""

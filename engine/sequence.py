@@ -104,6 +104,8 @@ class Sequence:
     draft_floor: int = 0
     draft_upto: int = 0
     draft_streams: torch.Tensor | None = None
+    # DSpark's estimate of each draft's probability of being accepted (its confidence head)
+    draft_confidence: list[float] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

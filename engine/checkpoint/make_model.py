@@ -264,8 +264,8 @@ def copy_tokenizer(outdir: Path) -> None:
 
 def make_model(outdir: str | Path, preset: str = "tiny", seed: int = 0, **layout: Any) -> Path:
     """A preset as a checkpoint; `layout` takes write_checkpoint's layout, quant, scale_fmt and shards
-    (a DeepSeek-V4.1 preset, `*-v41`, takes quant only: its names and scales are the published ones)."""
-    if preset.endswith("-v41"):
+    (a DeepSeek-V4.1 preset, `*-v41*`, takes quant only: its names and scales are the published ones)."""
+    if "-v41" in preset:
         from engine.checkpoint.make_model_v41 import PRESETS_V41, write_checkpoint_v41
 
         return write_checkpoint_v41(outdir, PRESETS_V41[preset], seed, quant=layout.get("quant", "none"))

@@ -68,6 +68,17 @@ PRESETS_V41: dict[str, dict[str, Any]] = {
         },
         max_position_embeddings=8192,
     ),
+    # tiny-v41 with DSpark, V4.1's draft model: three stages reading layers 1, 3 and 5 (one each
+    # side of the YOCO boundary), a MoE of their own size, noise rows reading an unused placeholder
+    "tiny-v41-dspark": dict(
+        num_nextn_predict_layers=3,
+        dspark_block_size=5,
+        dspark_target_layer_ids=[1, 3, 5],
+        dspark_markov_rank=16,
+        dspark_noise_token_id=128798,  # <｜place▁holder▁no▁798｜>
+        dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2,
+    ),
     # the published layout scaled down, used by the benchmarks: two window-only layers, then
     # ratio 2 up to the boundary and ratio 1 after it, half of the compressed layers owning KV
     "small-v41": dict(
@@ -101,9 +112,18 @@ PRESETS_V41: dict[str, dict[str, Any]] = {
         max_position_embeddings=65536,
     ),
 }
+PRESETS_V41["tiny-v41-dspark"] = PRESETS_V41["tiny-v41"] | PRESETS_V41["tiny-v41-dspark"]
 
 # stored in BF16 by the published checkpoints (the rest of the projections in FP8, experts in FP4)
-UNQUANTIZED = ("compressor.", "indexer.weights_proj", "indexer.wk", "ffn.gate.weight", "embed.weight", "head.weight")
+UNQUANTIZED = (
+    "compressor.",
+    "indexer.weights_proj",
+    "indexer.wk",
+    "ffn.gate.weight",
+    "embed.weight",  # and DSpark's markov_head.embed
+    "head.weight",  # and markov_head.head
+    "confidence_head.",
+)
 
 
 def v41_tokenizer(outdir: Path) -> Path:
@@ -176,7 +196,7 @@ def write_checkpoint_v41(outdir: str | Path, text_config: dict[str, Any], seed: 
         quant_config = QuantConfig(weight_block_size=(32, 32), scale_fmt="ue8m0", expert_dtype=quant.split("-")[-1])
         config.quantization_config = quant_config
     with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(config, tokenizer)
+        model = DeepseekV41ForCausalLM(config, tokenizer, config.num_nextn_predict_layers if config.has_dspark else 0)
     dtype = torch.float32 if quant == "none" else torch.bfloat16
     keep_fp32 = model.fp32_parameter_suffixes
     tensors: dict[str, torch.Tensor] = {}

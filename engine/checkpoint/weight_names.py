@@ -163,16 +163,16 @@ def deepseek_expert_name(engine_name: str, expert: int, part: str) -> str:
     return f"{layer}.ffn.experts.{expert}.{part}.weight"
 
 
-_V41_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_V41_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
 def canonical_name_v41(name: str) -> Target | None:
     """The V4.1 model's parameter for a checkpoint tensor. The model's modules carry the checkpoint's
     own names (DeepInfer's and SGLang's loaders read the same ones), so only the optional `model.`
-    prefix goes and per-expert tensors find their row of the fused experts. DSpark's draft blocks
-    (`mtp.N.*`) and the vision tower are not part of the text model: None."""
+    prefix goes and per-expert tensors find their row of the fused experts, DSpark's stages
+    (`mtp.N.*`) included. The vision tower is not part of the text model: None."""
     bare = name.removeprefix("model.")
-    if bare.startswith(("mtp.", "vision.", "aligner.", "image_")):
+    if bare.startswith(("vision.", "aligner.", "image_")):
         return None
     if expert := _V41_EXPERT.match(bare):
         part, half = EXPERT_PARTS[expert.group(3)]

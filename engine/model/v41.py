@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.backends import TorchBackend, clamped_swiglu
 from engine.config_v41 import V41Config
+from engine.model.dspark import ConfidenceHead, DraftRows, MarkovHead, block_window, store_main_keys
 from engine.model.engram import Engram, NgramHasher
 from engine.model.rope import RotaryEmbedding, apply_rope_
 from engine.model.step_input import SeqSlice, StepInput
@@ -163,17 +164,13 @@ def candidate_mask(scores: torch.Tensor, counts: torch.Tensor, block_size: int, 
     return chosen.repeat_interleave(block_size, dim=1)[:, :n]
 
 
-class Attention(nn.Module):
-    """Shared-KV multi-query attention over a sliding window of this layer's own keys plus, on
-    compressed layers, the top-k entries of its KV source, with per-head sinks and a grouped
-    low-rank output projection."""
+class AttentionProjections(nn.Module):
+    """The projections of a V4.1 attention (its layers' and DSpark's stages'): a low-rank query, one
+    shared key-value head with RoPE, per-head sinks and a grouped low-rank output."""
 
-    def __init__(self, config: V41Config, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, config: V41Config):
         super().__init__()
-        self.config, self.layer = config, layer
-        self.rotary = rotary  # the compressed layers' RoPE, for the entries' positions
-        self.rate = config.compress_rate(layer)
-        self.rope_type = "compress" if self.rate else "main"
+        self.config = config
         self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, config.sliding_window
         self.scaling = self.head_dim**-0.5
         h, rq = config.hidden_size, config.q_lora_rank
@@ -188,6 +185,28 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, h, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.backend = TorchBackend()
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope_(self.kv_norm(self.wkv(x)), cos, sin)
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Heads' outputs [T, H, d] -> [T, hidden]. K = V, so the values carry RoPE too: the output
+        is rotated back by the query position first."""
+        out = apply_rope_(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        return self.wo_b(self.wo_a(out.reshape(out.shape[0], self.config.o_groups, -1)))
+
+
+class Attention(AttentionProjections):
+    """Shared-KV multi-query attention over a sliding window of this layer's own keys plus, on
+    compressed layers, the top-k entries of its KV source, with per-head sinks and a grouped
+    low-rank output projection."""
+
+    def __init__(self, config: V41Config, layer: int, rotary: RotaryEmbedding):
+        super().__init__(config)
+        self.layer = layer
+        self.rotary = rotary  # the compressed layers' RoPE, for the entries' positions
+        self.rate = config.compress_rate(layer)
+        self.rope_type = "compress" if self.rate else "main"
         self.compressor = Compressor(config, self.rate) if config.owns_compressor(layer) else None
         self.indexer = Indexer(config, config.owns_index_keys(layer)) if config.owns_indexer(layer) else None
         self.owns_index_keys = config.owns_index_keys(layer)
@@ -205,7 +224,7 @@ class Attention(nn.Module):
         q = apply_rope_(
             self.wq_b(q_residual).view(n_tokens, self.num_heads, self.head_dim), cos.unsqueeze(1), sin.unsqueeze(1)
         )
-        kv = apply_rope_(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = self.keys(x, cos, sin)
         if self.compressor is not None and not self.config.is_consumer(self.layer):
             self.compress(x, step, cache)  # consumer layers compress from the shared hidden: see the model
         index_q = index_w = None
@@ -222,9 +241,7 @@ class Attention(nn.Module):
                 outs.append(self._prefill(q[rows], kv[rows], iq, iw, i, s, cache, ctx))
                 begin += s.length
             out = torch.cat(outs)
-        # K = V, so the values carry RoPE too: rotate the output back by the query position.
-        out = apply_rope_(out, cos.unsqueeze(1), -sin.unsqueeze(1))
-        return self.wo_b(self.wo_a(out.reshape(n_tokens, self.config.o_groups, -1)))
+        return self.output(out, cos, sin)
 
     # -- compressed state --------------------------------------------------------------------------
 
@@ -386,6 +403,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: V41Config, layer: int, rotary: RotaryEmbedding):
         super().__init__()
         self.config, self.layer = config, layer
+        self.add_norms_and_mixes(config)
+        self.attn = Attention(config, layer, rotary)
+        self.ffn = MoE(config)
+        self.engram = Engram(config, layer) if layer in config.engram_layer_ids else None
+
+    def add_norms_and_mixes(self, config: V41Config) -> None:
+        """The sublayers' input norms and hyper-connection weights."""
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         mixes, width = (2 + config.hc_mult) * config.hc_mult, config.hc_mult * config.hidden_size
@@ -393,9 +417,6 @@ class DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{sublayer}_fn", nn.Parameter(torch.zeros(mixes, width, dtype=torch.float32)))
             self.register_parameter(f"hc_{sublayer}_base", nn.Parameter(torch.zeros(mixes, dtype=torch.float32)))
             self.register_parameter(f"hc_{sublayer}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.attn = Attention(config, layer, rotary)
-        self.ffn = MoE(config)
-        self.engram = Engram(config, layer) if layer in config.engram_layer_ids else None
 
     def mixes(self, sublayer: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.config
@@ -415,9 +436,12 @@ class DecoderLayer(nn.Module):
         cache: StateCache,
         ctx: StepContext,
         ngram_rows: torch.Tensor | None,
+        features: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.engram is not None:
             streams = self.engram(streams, ngram_rows)
+        if features is not None:  # a DSpark target layer: its attention input, the streams' mean
+            features[self.layer] = streams.float().mean(dim=1).to(streams.dtype)
         x = self.attn_input(streams, pre)
         attn_pre, post, comb = self.mixes("attn", streams)
         streams = expand_and_mix(post, self.attn(x, step, rope, cache, ctx), comb, streams)
@@ -425,6 +449,51 @@ class DecoderLayer(nn.Module):
         ffn_pre, post, comb = self.mixes("ffn", streams)
         streams = expand_and_mix(post, self.ffn(x), comb, streams)
         return streams, ffn_pre
+
+
+class DraftAttention(AttentionProjections):
+    """A DSpark stage's attention: a window-only V4.1 attention whose keys go to a ring of its own
+    (`cache.window[ring]`), every row of a draft block reading the same window
+    (engine/model/dspark.py)."""
+
+    def __init__(self, config: V41Config, ring: int):
+        super().__init__(config)
+        self.ring = ring
+
+    def forward(self, x: torch.Tensor, rows: DraftRows, rope: Rope, cache: StateCache, ctx: object) -> torch.Tensor:
+        cos, sin = rope["main"]
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(x.shape[0], self.num_heads, self.head_dim)
+        q = apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        ring = cache.window[self.ring]
+        size = ring.shape[1]
+        ring[rows.slots, rows.positions % size] = self.keys(x, cos, sin)
+        visible = block_window(rows, size)
+        bias = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, NEG_INF)
+        out = self.backend.attention(q.unsqueeze(2), ring[rows.slots], bias.unsqueeze(1), self.attn_sink, self.scaling)
+        return self.output(out.squeeze(1), cos, sin)
+
+
+class DSparkStage(DecoderLayer):
+    """DSpark's draft stage i (`mtp.{i}.*`, engine/model/dspark.py): a window-only decoder layer
+    with a MoE of the draft model's size, its keys in a ring of its own (`ring`, past the
+    layers'). Stage 0 also projects the target's features (`main_proj`, `main_norm`); the last
+    one holds the norm before the head, the Markov head and the confidence head."""
+
+    def __init__(self, config: V41Config, stage: int, ring: int):
+        nn.Module.__init__(self)
+        self.config, self.layer = config, ring
+        self.add_norms_and_mixes(config)
+        self.attn = DraftAttention(config, ring)
+        self.ffn = MoE(config.dspark_stage_config())
+        self.engram = None
+        h, targets = config.hidden_size, len(config.dspark_target_layer_ids)
+        if stage == 0:
+            self.main_proj = nn.Linear(h * targets, h, bias=False)
+            self.main_norm = RMSNorm(h, config.rms_norm_eps)
+        if stage == config.num_nextn_predict_layers - 1:
+            self.norm = RMSNorm(h, config.rms_norm_eps)
+            self.markov_head = MarkovHead(config)
+            self.confidence_head = ConfidenceHead(config)
 
 
 def kept_rows(step: StepInput) -> tuple[StepInput, torch.Tensor] | None:
@@ -449,7 +518,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     fp32_parameter_suffixes = ("_fn", "_base", "_scale", "attn_sink", "gate.bias", "gate.bias_vl", "norm.weight")
     compiles_decode = True  # engine/compiled_decode.py builds its decode step (Engram windows as an input)
 
-    def __init__(self, config: V41Config, tokenizer_file: str | None = None):
+    def __init__(self, config: V41Config, tokenizer_file: str | None = None, draft_stages: int = 0):
+        """`draft_stages`: build the checkpoint's DSpark stages (`mtp.*`, engine/model/dspark.py)."""
         super().__init__()
         self.config = config
         rope_dim, max_pos = config.rope_head_dim, config.max_position_embeddings
@@ -470,7 +540,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head.backend = TorchBackend()
-        self.mtp = nn.ModuleList()  # DSpark draft blocks: not built yet
+        self.mtp = nn.ModuleList()
+        if draft_stages:
+            n = config.num_hidden_layers
+            self.mtp.extend(DSparkStage(config, i, ring=n + i) for i in range(draft_stages))
         self.hasher = NgramHasher(config, tokenizer_file) if config.engram_layer_ids else None
 
     @property
@@ -492,6 +565,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre[:, 0] = 1.0  # the first sublayer reads stream 0
         ngram_rows = self.hasher(step) if self.hasher is not None else None
         ctx, full, index, shared_hidden = StepContext(), step, None, None
+        # DSpark's main keys, where the engine drafts with it: its cache has the stages' rings
+        features = {} if self.mtp and len(cache.window) > cfg.num_hidden_layers else None
+        targets = set(cfg.dspark_target_layer_ids)
         for i, layer in enumerate(self.layers):
             if i == cfg.yoco_boundary:
                 shared_hidden = layer.attn_input(streams, pre)  # every row
@@ -504,18 +580,39 @@ class DeepseekV41ForCausalLM(nn.Module):
                 # YOCO: every row of the step, kept or not, from the boundary layer's input
                 layer.attn.compress(shared_hidden, full, cache)
             if step.input_ids.shape[0]:
-                streams, pre = layer(streams, pre, step, rope, cache, ctx, ngram_rows)
+                wanted = features if features is not None and i in targets else None
+                streams, pre = layer(streams, pre, step, rope, cache, ctx, ngram_rows, wanted)
+        if features is not None and step.input_ids.shape[0]:
+            self._store_main_keys(features, index, step, rope["main"], cache)
         hidden = self.norm(collapse(pre, streams))
         if index is None:
             return hidden
         return hidden.new_zeros(full.input_ids.shape[0], hidden.shape[-1]).index_copy_(0, index, hidden)
+
+    def _store_main_keys(
+        self,
+        features: dict[int, torch.Tensor],
+        index: torch.Tensor | None,
+        step: StepInput,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: StateCache,
+    ) -> None:
+        """DSpark's main keys of the rows the last layer computed (a truncated prompt's kept rows):
+        the target layers' features in `dspark_target_layer_ids` order, those of layers before the
+        YOCO boundary cut to the kept rows."""
+        boundary = self.config.yoco_boundary
+        parts = [
+            features[i][index] if index is not None and i < boundary else features[i]
+            for i in self.config.dspark_target_layer_ids
+        ]
+        store_main_keys(self.mtp, cache, torch.cat(parts, dim=-1), step, rope)
 
     def merge_projections(self) -> None:
         """Nothing merged yet: each projection runs alone."""
 
     def use_backend(self, backend: object) -> None:
         for module in self.modules():
-            if isinstance(module, (Attention, Experts)):
+            if isinstance(module, (Attention, DraftAttention, Experts)):
                 module.backend = backend
         self.head.backend = backend
 

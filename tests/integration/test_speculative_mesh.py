@@ -1,7 +1,8 @@
-"""The mesh as `deepmesh serve --speculative mtp` runs it (its decode engine drafting with the
-checkpoint's MTP module), on a checkpoint in the published layout, through the official OpenAI
-SDK: greedy completions are the continuation one process computes without speculation, a stop
-sequence ends them where it does there, and the speculation counters move."""
+"""The mesh as `deepmesh serve --speculative mtp` (DeepSeek-V4's MTP module) and `--speculative
+dspark` (DeepSeek-V4.1's draft model) run it, its decode engine drafting with the checkpoint's
+drafter, on checkpoints in the published layout, through the official OpenAI SDK: greedy
+completions are the continuation one process computes without speculation, a stop sequence
+ends them where it does there, and the speculation counters move."""
 
 from __future__ import annotations
 
@@ -26,19 +27,23 @@ from tests.support.models import random_prompts
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def published_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny preset as `deepmesh make-model D --format deepseek --seed 3` writes it."""
-    return make_model(tmp_path_factory.mktemp("spec") / "tiny", "tiny", seed=3, layout="deepseek")
+@pytest.fixture(scope="module", params=["mtp", "dspark"])
+def published(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A drafting method and its checkpoint, as `deepmesh make-model D --seed 3` writes it: the tiny
+    preset with `--format deepseek` (an MTP module), or `--preset tiny-v41-dspark`."""
+    directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "mtp":
+        return "mtp", make_model(directory / "tiny", "tiny", seed=3, layout="deepseek")
+    return "dspark", make_model(directory / "tiny-v41-dspark", "tiny-v41-dspark", seed=3)
 
 
 def test_serve_and_decode_take_the_speculation_flags():
     from common.settings import Settings
 
-    for command in (["serve"], ["decode"]):
-        args = build_parser().parse_args([*command, "--speculative", "mtp", "--speculative-tokens", "2"])
+    for command, method in ((["serve"], "mtp"), (["decode"], "dspark")):
+        args = build_parser().parse_args([*command, "--speculative", method, "--speculative-tokens", "2"])
         assert _speculation(args, Settings()) == {
-            "speculative": "mtp",
+            "speculative": method,
             "speculative_tokens": 2,
             "speculative_max_batch": 4,
         }
@@ -46,18 +51,19 @@ def test_serve_and_decode_take_the_speculation_flags():
     assert defaults["speculative"] == "auto" and defaults["speculative_tokens"] == 3
 
 
-def test_greedy_answers_with_mtp_are_those_without_speculation(published_tiny, jobs, tmp_path_factory):
+def test_greedy_answers_with_speculation_are_those_without(published, jobs, tmp_path_factory):
+    method, published_tiny = published
     prompts = random_prompts([7, 40, 150], vocab=20_000, seed=4)
-    oracle = LLMEngine.from_pretrained(published_tiny)  # one process, speculation off
+    oracle = LLMEngine.from_pretrained(published_tiny, speculative="off")  # one process
     expected = oracle.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     decoder = Tokenizer.from_file(str(published_tiny / "tokenizer.json"))
     texts = [decoder.decode(out.token_ids) for out in expected]
 
     bus = MemoryBus(ClaimStore(tmp_path_factory.mktemp("claims")))
-    speculation = {"speculative": "mtp", "speculative_tokens": 3, "speculative_max_batch": 4}
+    speculation = {"speculative": method, "speculative_tokens": 3, "speculative_max_batch": 4}
     store = scratch_store(tmp_path_factory.mktemp("state"))
     mesh = Mesh(published_tiny, bus, store, served_model=MODEL, speculation=speculation).start()
-    assert mesh.decode.engine.speculative_method == "mtp" and mesh.prefill.engine.drafter is None
+    assert mesh.decode.engine.speculative_method == method and mesh.prefill.engine.drafter is None
     try:
         with ServerThread(create_app(bus, "deepmesh.", [MODEL], jobs)) as server:
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -81,8 +87,7 @@ def test_greedy_answers_with_mtp_are_those_without_speculation(published_tiny, j
             metrics = httpx.get(f"{server.url}/metrics").text
     finally:
         mesh.stop()
-    drafted = [
-        line for line in metrics.splitlines() if line.startswith('deepmesh_spec_draft_tokens_total{method="mtp"}')
-    ]
+    counter = f'deepmesh_spec_draft_tokens_total{{method="{method}"}}'
+    drafted = [line for line in metrics.splitlines() if line.startswith(counter)]
     assert drafted and float(drafted[0].split()[-1]) > 0, metrics[-2000:]
-    assert 'deepmesh_spec_accepted_tokens_total{method="mtp"}' in metrics
+    assert f'deepmesh_spec_accepted_tokens_total{{method="{method}"}}' in metrics

@@ -20,7 +20,7 @@ from engine import LLMEngine, SamplingParams
 from engine.checkpoint import load_model
 from engine.checkpoint.make_model import preset_config, write_checkpoint
 from engine.config import CSA, HCA
-from engine.sequence import Sequence
+from tests.support.drafters import ScriptedDrafter
 from tests.support.models import all_state_free, random_prompts
 
 VOCAB = 512
@@ -43,24 +43,6 @@ def reference(mtp_model) -> dict[int, list[int]]:
     """Greedy outputs without speculation, one request at a time."""
     engine = LLMEngine(mtp_model, max_num_batched_tokens=64)
     return {len(p): engine.generate([p], GREEDY)[0].token_ids for p in random_prompts(LENGTHS, VOCAB, seed=1)}
-
-
-class ScriptedDrafter:
-    """Drafts the reference continuation, right for the first j tokens and wrong after, j cycling
-    through 0..k from step to step (and from sequence to sequence)."""
-
-    def __init__(self, reference: dict[int, list[int]]):
-        self.reference, self.turn, self.right = reference, 0, 0
-
-    def advance(self, seqs: list[Sequence], streams: list, starts: list[int], wanted: list[int]) -> None:
-        for seq, k in zip(seqs, wanted, strict=True):
-            if seq.num_computed < seq.num_tokens - 1:  # a prompt still prefilling: nothing to draft yet
-                continue
-            follows = self.reference[len(seq.prompt_token_ids)][len(seq.output_token_ids) :][:k]
-            right = self.turn % (k + 1)
-            self.turn += 1
-            seq.drafts = [t if i < right else (t + 1) % VOCAB for i, t in enumerate(follows)]
-            self.right += min(right, len(follows))
 
 
 @pytest.mark.parametrize("k", [1, 4])

@@ -1,0 +1,23 @@
+"""A drafter for tests of speculative decoding: the true continuation with chosen mistakes."""
+
+from __future__ import annotations
+
+from engine.sequence import Sequence
+
+
+class ScriptedDrafter:
+    """Drafts the reference continuation, right for the first j tokens and wrong after, j cycling
+    through 0..k from step to step (and from sequence to sequence)."""
+
+    def __init__(self, reference: dict[int, list[int]], vocab: int = 512):
+        self.reference, self.vocab, self.turn, self.right = reference, vocab, 0, 0
+
+    def advance(self, seqs: list[Sequence], streams: list, starts: list[int], wanted: list[int]) -> None:
+        for seq, k in zip(seqs, wanted, strict=True):
+            if seq.num_computed < seq.num_tokens - 1:  # a prompt still prefilling: nothing to draft yet
+                continue
+            follows = self.reference[len(seq.prompt_token_ids)][len(seq.output_token_ids) :][:k]
+            right = self.turn % (k + 1)
+            self.turn += 1
+            seq.drafts = [t if i < right else (t + 1) % self.vocab for i, t in enumerate(follows)]
+            self.right += min(right, len(follows))
