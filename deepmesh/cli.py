@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="STEPS",
-        help="train the MTP module (--format deepseek) on the model's own greedy outputs for STEPS steps, "
-        "so that speculative decoding accepts its drafts (the tiny preset: 100 steps took 669 s on 2 cores, "
-        "its 129,280-token output projection most of it)",
+        help="train the MTP module (--format deepseek), or a V4.1 preset's DSpark stages, on the model's own "
+        "greedy outputs for STEPS steps, so that speculative decoding accepts its drafts (the tiny preset's "
+        "MTP: 100 steps took 669 s on 2 cores, its 129,280-token output projection most of it)",
     )
     make.set_defaults(run=_make_model)
 
@@ -185,8 +185,9 @@ def _exit_at_once_if_compiling(code: int) -> None:
 def _make_model(args: argparse.Namespace) -> int:
     from engine.checkpoint.make_model import make_model
 
-    if args.train_drafter and (args.format != "deepseek" or args.quant != "none" or args.shards != 1):
-        raise ValueError("--train-drafter needs --format deepseek, no --quant and one shard")
+    v41 = "-v41" in args.preset
+    if args.train_drafter and (not (v41 or args.format == "deepseek") or args.quant != "none" or args.shards != 1):
+        raise ValueError("--train-drafter needs --format deepseek (or a V4.1 preset), no --quant and one shard")
     path = make_model(
         args.outdir,
         args.preset,
@@ -196,7 +197,16 @@ def _make_model(args: argparse.Namespace) -> int:
         scale_fmt=args.scale_fmt,
         shards=args.shards,
     )
-    if args.train_drafter:
+    if args.train_drafter and v41:
+        from engine.checkpoint.train_dspark import train_checkpoint_dspark
+
+        before, after = train_checkpoint_dspark(path, args.train_drafter, seed=args.seed)
+        print(
+            f"DSpark: first draft right {before[0]:.1%} before training, {after[0]:.1%} after; "
+            f"drafts a block gets accepted {before[1]:.2f} -> {after[1]:.2f}",
+            file=sys.stderr,
+        )
+    elif args.train_drafter:
         from engine.checkpoint.train_drafter import train_checkpoint_drafter
 
         before, after = train_checkpoint_drafter(path, args.train_drafter, seed=args.seed)

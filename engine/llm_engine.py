@@ -537,16 +537,12 @@ class LLMEngine:
 
     def _draft_count(self, seq: Sequence) -> int:
         """How many tokens to draft for a sequence: none where the target's choice must be made one
-        token at a time (a grammar, a token still held back by min_tokens), nor for a seeded sampled
-        request, whose tokens would then depend on whether its steps speculated, that is on what
-        was batched with it; and no draft past max_tokens or the model length."""
+        token at a time (a grammar, a token still held back by min_tokens), and no draft past
+        max_tokens or the model length. (A sampled row draws the token a step without drafts
+        would: engine/speculation.py.)"""
         params = seq.params
         generated = len(seq.output_token_ids)
-        if (
-            params.grammar is not None
-            or generated < params.min_tokens
-            or (not params.greedy and params.seed is not None)
-        ):
+        if params.grammar is not None or generated < params.min_tokens:
             return 0
         room = min(params.max_tokens - generated, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(self.speculative_tokens, room))

@@ -6,13 +6,16 @@ blockwise rejection apply it. Draft d_j, proposed with probability q_j(d_j), is 
 probability min(1, p_j(d_j) / q_j(d_j)), where p_j is the target's distribution after the tokens
 before it (temperature and filters applied). At the first rejection the next token is drawn from
 the residual max(p_j - q_j, 0), normalised; when all k are accepted, from p_k. The emitted tokens
-are then distributed exactly as the target's own samples would be. A drafter that proposes its
-argmax has a one-hot q_j: the draft is accepted with probability p_j(d_j), and the residual is
-p_j without d_j. A greedy row accepts while each draft is the target's argmax, then adds the
-argmax: its output is the target's greedy output.
+are then distributed exactly as the target's own samples would be.
 
-The uniforms come from the sampler's counter stream at each row's position (engine/sampler.py),
-so a seeded row's tokens do not depend on what is batched with it.
+A drafter that proposes its argmax (both of ours do) has a one-hot q_j: the draft is accepted
+with probability p_j(d_j), and the residual is p_j without d_j. That is the same as drawing the
+row's token from p_j as the sampler would without drafts, with the same uniform, and accepting the
+draft if the draw is the draft: so each row draws exactly the token a step without speculation
+would draw at its position (engine/sampler.py's draw 0 of (seed, position)), and a seeded
+request's tokens are the same whether its steps speculated or not, that is whatever was batched
+with it. A greedy row accepts while each draft is the target's argmax, then adds the argmax: its
+output is the target's greedy output.
 """
 
 from __future__ import annotations
@@ -46,26 +49,32 @@ def verify_sampled(
     """`target` [k+1, V]: the target's probabilities at each verify row, after temperature and
     filters. `proposal` [k, V]: the drafter's probabilities each draft was sampled from, or None
     where each draft was the drafter's argmax. `position`: the position of the token row 0 chooses."""
+    if proposal is None:
+        return _verify_argmax_drafts(target, drafts, seed, position)
     for j, draft in enumerate(drafts):
-        p = target[j]
-        q = None if proposal is None else proposal[j]
-        q_draft = 1.0 if q is None else float(q[draft])
-        if counter_uniform(seed, position + j, ACCEPT_DRAW) * q_draft < float(p[draft]):
+        p, q = target[j], proposal[j]
+        if counter_uniform(seed, position + j, ACCEPT_DRAW) * float(q[draft]) < float(p[draft]):
             continue
-        if q is None:
-            residual = p.clone()
-            residual[draft] = 0
-        else:
-            residual = (p - q).clamp(min=0)
+        residual = (p - q).clamp(min=0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: a rejection had no probability
             residual = p
-        return Verdict(j, [*drafts[:j], _draw(residual, seed, position + j)])
+        return Verdict(j, [*drafts[:j], _draw(residual.double(), seed, position + j)])
+    return Verdict(len(drafts), [*drafts, _draw(target[len(drafts)], seed, position + len(drafts))])
+
+
+def _verify_argmax_drafts(target: torch.Tensor, drafts: list[int], seed: int, position: int) -> Verdict:
+    """Each row draws the sampler's own token; the drafts are kept while they are those tokens."""
+    for j, draft in enumerate(drafts):
+        token = _draw(target[j], seed, position + j)
+        if token != draft:
+            return Verdict(j, [*drafts[:j], token])
     return Verdict(len(drafts), [*drafts, _draw(target[len(drafts)], seed, position + len(drafts))])
 
 
 def _draw(weights: torch.Tensor, seed: int, position: int) -> int:
-    """The token the position's draw-0 uniform lands on, under these (unnormalised) weights."""
-    return draw_index(weights.double().cumsum(dim=0), seed, position)
+    """The token the position's draw-0 uniform lands on under these (unnormalised) weights, as the
+    sampler draws it (its cumulative sum in the weights' dtype: the same rounding)."""
+    return draw_index(weights.cumsum(dim=-1), seed, position)
 
 
 SPECULATIVE_MODES = ("auto", "off", "mtp", "dspark")

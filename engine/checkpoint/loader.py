@@ -317,12 +317,9 @@ def load_model(
                 setattr(module, buffer_name, buffer.to(device))
     if len(model.mtp):
         count = sum(len(pieces) for name, pieces in plan.pieces.items() if name.startswith("mtp."))
-        logger.info(
-            "%s: %d multi-token-prediction module(s) (mtp.*, %d tensors), the speculative decoding drafter",
-            path,
-            len(model.mtp),
-            count,
-        )
+        kind = "DSpark draft stage(s)" if isinstance(config, V41Config) else "multi-token-prediction module(s)"
+        drafter = "the speculative decoding drafter"
+        logger.info("%s: %d %s (mtp.*, %d tensors), %s", path, len(model.mtp), kind, count, drafter)
     if plan.unused:
         logger.warning("%s: %s", path, unused_summary(plan))
     return model.eval()

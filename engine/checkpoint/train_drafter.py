@@ -11,11 +11,13 @@ token, as it drafts in serving (engine/drafter.py). Minutes on a CPU for the tin
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
 from engine.backends import TorchBackend
 from engine.checkpoint.loader import load_model
@@ -99,6 +101,33 @@ def _first_drafts(
     return model.compute_logits(hidden), targets, generated
 
 
+def train_module(
+    model: torch.nn.Module, module: torch.nn.Module, steps: int, learning_rate: float, step_loss: Callable[[], Tensor]
+) -> list[float]:
+    """Train `module`'s parameters in place, the rest of `model` frozen: Adam with a cosine schedule
+    on `step_loss()`, one batch per call. Returns the loss of every step."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    trained = [p for p in module.parameters() if p.is_floating_point()]
+    for parameter in trained:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.Adam(trained, lr=learning_rate)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    losses = []
+    for step in range(steps):
+        loss = step_loss()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        if step % 50 == 0:
+            logger.info("drafter step %d: loss %.3f", step, losses[-1])
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return losses
+
+
 def train_mtp(
     model: DeepseekV4ForCausalLM,
     sequences: list[tuple[list[int], int]],
@@ -110,34 +139,19 @@ def train_mtp(
     """Train model.mtp[0] in place; the main model stays frozen. Returns the loss of every step."""
     module = model.mtp[0]
     module.self_attn.backend = DifferentiableBackend()
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    trained = [p for p in module.parameters() if p.is_floating_point()]
-    for parameter in trained:
-        parameter.requires_grad_(True)
     examples = [
         (tokens, n, streams) for (tokens, n), streams in zip(sequences, _main_streams(model, sequences), strict=True)
     ]
     cache = _scratch_cache(model, batch_size, max(len(tokens) for tokens, _ in sequences))
-    optimizer = torch.optim.Adam(trained, lr=learning_rate)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     order = torch.Generator().manual_seed(seed)
-    losses = []
-    for step in range(steps):
+
+    def step_loss() -> Tensor:
         picked = torch.randint(len(examples), (batch_size,), generator=order).tolist()
         cache.window = [ring.detach() for ring in cache.window]  # the last step's keys are not this one's graph
         logits, targets, generated = _first_drafts(model, [examples[i] for i in picked], cache)
-        loss = F.cross_entropy(logits[generated], targets[generated])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        if step % 50 == 0:
-            logger.info("drafter step %d: loss %.3f", step, losses[-1])
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    return losses
+        return F.cross_entropy(logits[generated], targets[generated])
+
+    return train_module(model, module, steps, learning_rate, step_loss)
 
 
 def draft_accuracy(model: DeepseekV4ForCausalLM, sequences: list[tuple[list[int], int]]) -> float:

@@ -104,19 +104,17 @@ def store_main_keys(
         cache.window[stage.attn.ring][slots, positions % size] = stage.attn.keys(main, cos, sin)
 
 
-@torch.inference_mode()
-def draft_blocks(
+def block_rows(
     model: nn.Module,
     cache: StateCache,
     pending: torch.Tensor,  # [S] each sequence's pending token
     starts: torch.Tensor,  # [S] its position (the last computed one + 1)
     slots: torch.Tensor,  # [S]
     floors: torch.Tensor,  # [S] the first position whose main keys this engine wrote
-    size: int,  # B: drafts per sequence
+    size: int,  # B: rows per block
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft `size` tokens after each sequence's pending one: the most likely token of each row
-    with the Markov bias from the draft before it (greedy drafts: the verify step's rule needs
-    no draft distribution for them), and each draft's confidence. -> ([S, B] ids, [S, B] fp32)."""
+    """Each sequence's block through the stages: its rows' logits before the Markov bias [S, B, V]
+    (fp32) and their hidden states before the norm [S, B, d]. Row j predicts position start + 1 + j."""
     config: V41Config = model.config
     stages = model.mtp
     n_seqs, device = pending.shape[0], pending.device
@@ -137,15 +135,41 @@ def draft_blocks(
     for stage in stages:
         streams, pre = stage(streams, pre, rows, rope, cache, None, None)
     hidden = collapse(pre, streams)  # before the norm: what the confidence head reads
-    head_stage = stages[-1]
-    logits = model.compute_logits(head_stage.norm(hidden)).float().view(n_seqs, size, -1)
-    hidden = hidden.view(n_seqs, size, -1)
+    logits = model.compute_logits(stages[-1].norm(hidden)).float().view(n_seqs, size, -1)
+    return logits, hidden.view(n_seqs, size, -1)
+
+
+def markov_step(
+    model: nn.Module, logits: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of each block, given the token before it: its logits with the Markov bias [S, V]
+    and its draft's confidence [S]."""
+    head_stage = model.mtp[-1]
+    markov = head_stage.markov_head.embed(previous)
+    corrected = logits + head_stage.markov_head.head(markov).float()
+    return corrected, head_stage.confidence_head(hidden, markov, CONFIDENCE_TEMPERATURE)
+
+
+@torch.inference_mode()
+def draft_blocks(
+    model: nn.Module,
+    cache: StateCache,
+    pending: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    floors: torch.Tensor,
+    size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft `size` tokens after each sequence's pending one (arguments as `block_rows`'): the most
+    likely token of each row with the Markov bias from the draft before it (greedy drafts: the
+    verify step's rule needs no draft distribution for them), and each draft's confidence.
+    -> ([S, B] ids, [S, B] fp32)."""
+    logits, hidden = block_rows(model, cache, pending, starts, slots, floors, size)
     drafts, confidence = [], []
     previous = pending
     for j in range(size):
-        markov = head_stage.markov_head.embed(previous)
-        step_logits = logits[:, j] + head_stage.markov_head.head(markov).float()
-        confidence.append(head_stage.confidence_head(hidden[:, j], markov, CONFIDENCE_TEMPERATURE))
-        previous = step_logits.argmax(dim=-1)
+        corrected, sure = markov_step(model, logits[:, j], hidden[:, j], previous)
+        previous = corrected.argmax(dim=-1)
         drafts.append(previous)
+        confidence.append(sure)
     return torch.stack(drafts, dim=1), torch.stack(confidence, dim=1)

@@ -555,8 +555,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         """How many earlier token ids each token's Engram window needs (StepInput.ngram_context)."""
         return self.config.engram_max_ngram_size - 1 if self.hasher is not None else 0
 
-    def forward(self, step: StepInput, cache: StateCache) -> torch.Tensor:
-        """Final hidden states [T, hidden]; rows a prompt's truncation kept out of the consumer layers are 0."""
+    def forward(self, step: StepInput, cache: StateCache, features_out: list | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden]; rows a prompt's truncation kept out of the consumer layers are 0.
+        `features_out`: gets DSpark's target features [kept rows, hidden * targets] appended (to
+        train its stages: engine/checkpoint/train_dspark.py)."""
         cfg = self.config
         embeds = self.embed(step.input_ids)
         rope = {label: rotary(step.positions, embeds.dtype) for label, rotary in self.rotary.items()}
@@ -566,7 +568,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         ngram_rows = self.hasher(step) if self.hasher is not None else None
         ctx, full, index, shared_hidden = StepContext(), step, None, None
         # DSpark's main keys, where the engine drafts with it: its cache has the stages' rings
-        features = {} if self.mtp and len(cache.window) > cfg.num_hidden_layers else None
+        stores_keys = bool(self.mtp) and len(cache.window) > cfg.num_hidden_layers
+        features = {} if stores_keys or features_out is not None else None
         targets = set(cfg.dspark_target_layer_ids)
         for i, layer in enumerate(self.layers):
             if i == cfg.yoco_boundary:
@@ -583,29 +586,26 @@ class DeepseekV41ForCausalLM(nn.Module):
                 wanted = features if features is not None and i in targets else None
                 streams, pre = layer(streams, pre, step, rope, cache, ctx, ngram_rows, wanted)
         if features is not None and step.input_ids.shape[0]:
-            self._store_main_keys(features, index, step, rope["main"], cache)
+            joined = self._joined_features(features, index)
+            if features_out is not None:
+                features_out.append(joined)
+            if stores_keys:
+                store_main_keys(self.mtp, cache, joined, step, rope["main"])
         hidden = self.norm(collapse(pre, streams))
         if index is None:
             return hidden
         return hidden.new_zeros(full.input_ids.shape[0], hidden.shape[-1]).index_copy_(0, index, hidden)
 
-    def _store_main_keys(
-        self,
-        features: dict[int, torch.Tensor],
-        index: torch.Tensor | None,
-        step: StepInput,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: StateCache,
-    ) -> None:
-        """DSpark's main keys of the rows the last layer computed (a truncated prompt's kept rows):
-        the target layers' features in `dspark_target_layer_ids` order, those of layers before the
-        YOCO boundary cut to the kept rows."""
+    def _joined_features(self, features: dict[int, torch.Tensor], index: torch.Tensor | None) -> torch.Tensor:
+        """DSpark's features of the rows the last layer computed (a truncated prompt's kept rows):
+        the target layers' in `dspark_target_layer_ids` order, those of layers before the YOCO
+        boundary cut to the kept rows."""
         boundary = self.config.yoco_boundary
         parts = [
             features[i][index] if index is not None and i < boundary else features[i]
             for i in self.config.dspark_target_layer_ids
         ]
-        store_main_keys(self.mtp, cache, torch.cat(parts, dim=-1), step, rope)
+        return torch.cat(parts, dim=-1)
 
     def merge_projections(self) -> None:
         """Nothing merged yet: each projection runs alone."""
