@@ -74,6 +74,7 @@ bench: $(INSTALLED)
 	$(BIN)/python benchmarks/engine_vs_transformers.py --config tiny-vocab
 	$(BIN)/python benchmarks/engine_v41.py
 	$(BIN)/python benchmarks/speculative.py
+	$(BIN)/python benchmarks/speculative.py --method dspark
 
 # deepmesh against guidellm, aiperf and lm-eval, installed in .compat-venv of their own: a short
 # run of each, checked from each one's own report (scripts/compat/README.md)

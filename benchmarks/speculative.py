@@ -1,17 +1,22 @@
-"""Speculative decoding with V4's MTP module against decoding without it, in one process.
+"""Speculative decoding with V4's MTP module, or V4.1's DSpark, against decoding without it, in
+one process.
 
-The checkpoint is the `tiny-vocab` config (benchmarks/engine_vs_transformers.py) in the published
-layout, with its MTP module trained on the model's own greedy outputs (`deepmesh make-model
---train-drafter`, engine/checkpoint/train_drafter.py): random draft weights would accept almost
-nothing. Equal random prompts, greedy; decode tokens/s at each batch size with speculation off
+The checkpoint (`--method mtp`) is the `tiny-vocab` config (benchmarks/engine_vs_transformers.py)
+in the published layout, with its MTP module trained on the model's own greedy outputs
+(`deepmesh make-model --train-drafter`, engine/checkpoint/train_drafter.py): random draft
+weights would accept almost nothing. With `--method dspark` it is `tiny-v41-dspark` with the
+same 4,096-token vocabulary, its DSpark stages trained so (engine/checkpoint/train_dspark.py);
+V4.1's verify steps and DSpark's blocks have no graphs, so its engines all run eager.
+
+Equal random prompts, greedy; decode tokens/s at each batch size with speculation off
 (eager, and compiled unless --no-compile) and on for each number of drafted tokens (its verify
 steps and drafts through compiled graphs too, unless --no-compile), the ratio against eager-off
 measured in the same run, whether the tokens are the same, the share of drafts
 accepted, the mean tokens a verify step adds (accepted drafts + 1) and what a speculating step
 costs against a plain one (those tokens over the speed-up: the drafter's runs and the verify rows).
 
-    python benchmarks/speculative.py [--batches 1 4 16] [--drafts 1 2 3] [--train-steps 3000]
-        [--prompt-len 64] [--new-tokens 96] [--rounds 3] [--no-compile]
+    python benchmarks/speculative.py [--method mtp|dspark] [--batches 1 4 16] [--drafts 1 2 3]
+        [--train-steps 3000] [--prompt-len 64] [--new-tokens 96] [--rounds 3] [--no-compile]
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.checkpoint.make_model import write_checkpoint
+from engine.checkpoint.make_model_v41 import PRESETS_V41, write_checkpoint_v41
 from engine.checkpoint.train_drafter import train_checkpoint_drafter
+from engine.checkpoint.train_dspark import train_checkpoint_dspark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_vs_transformers import CONFIGS, compiled_beside, rates
@@ -54,10 +61,31 @@ def run(engine: LLMEngine, prompts: torch.Tensor, new_tokens: int) -> tuple[list
     return list(tokens.values()), start, times, (drafted, accepted, verified)
 
 
+def make_trained(model: Path, method: str, steps: int) -> None:
+    """The benchmark's checkpoint: random weights with the 4,096-token vocabulary, drafter trained."""
+    started = time.perf_counter()
+    if method == "mtp":
+        write_checkpoint(model, CONFIGS["tiny-vocab"], seed=0, layout="deepseek")
+        before, after = train_checkpoint_drafter(model, steps)
+        seconds = time.perf_counter() - started
+        print(f"drafter trained in {seconds:.0f} s: first draft right {before:.1%} -> {after:.1%}")
+        return
+    text = PRESETS_V41["tiny-v41-dspark"] | {"vocab_size": 4096, "dspark_noise_token_id": 4095}
+    write_checkpoint_v41(model, text, seed=0)
+    (before, _), (after, accepted) = train_checkpoint_dspark(model, steps)
+    print(
+        f"DSpark trained in {time.perf_counter() - started:.0f} s: first draft right {before:.1%} -> {after:.1%}, "
+        f"{accepted:.2f} drafts of a block accepted"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", choices=["mtp", "dspark"], default="mtp")
     parser.add_argument(
-        "--model", type=Path, help="default: .cache/models/tiny-vocab-mtp (made and trained if missing)"
+        "--model",
+        type=Path,
+        help="default: .cache/models/tiny-vocab-mtp or tiny-vocab-v41-dspark (made and trained if missing)",
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3])
@@ -66,30 +94,29 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating; rates are their medians")
     parser.add_argument("--no-compile", action="store_true", help="no compiled baseline")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speculative.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/speculative[-dspark].json")
     args = parser.parse_args()
-    model = args.model or ROOT / ".cache/models/tiny-vocab-mtp"
+    dspark = args.method == "dspark"
+    args.out = args.out or ROOT / "benchmarks/results" / ("speculative-dspark.json" if dspark else "speculative.json")
+    model = args.model or ROOT / ".cache/models" / ("tiny-vocab-v41-dspark" if dspark else "tiny-vocab-mtp")
     if not (model / "config.json").is_file():
-        write_checkpoint(model, CONFIGS["tiny-vocab"], seed=0, layout="deepseek")
-        started = time.perf_counter()
-        before, after = train_checkpoint_drafter(model, args.train_steps)
-        print(
-            f"drafter trained in {time.perf_counter() - started:.0f} s: first draft right {before:.1%} -> {after:.1%}"
-        )
-    options = {"max_num_seqs": max(args.batches), "max_num_batched_tokens": 2048}
+        make_trained(model, args.method, args.train_steps)
+    args.no_compile |= dspark
+    # no grammar compiler: a V4.1 tokenizer has more tokens than these models' 4,096-token vocabulary
+    options = {"max_num_seqs": max(args.batches), "max_num_batched_tokens": 2048, "grammars": None}
     eager = LLMEngine.from_pretrained(model, **options)
     engines = {"off": eager}
     compiling = not args.no_compile and (compiled := compiled_beside(eager, options)) is not None
     if compiling:
         engines["off, compiled"] = compiled
     for k in args.drafts:
-        speculation = {"speculative": "mtp", "speculative_tokens": k, "speculative_max_batch": max(args.batches)}
+        speculation = {"speculative": args.method, "speculative_tokens": k, "speculative_max_batch": max(args.batches)}
         # a verify step's rows are decode rows: room for every drafted row of the largest batch
         speculation["max_num_seqs"] = max(args.batches) * (k + 1)
         if compiling:  # verify steps and the module's rows through the graphs too
-            engines[f"mtp k={k}, compiled"] = compiled_beside(eager, options | speculation)
+            engines[f"{args.method} k={k}, compiled"] = compiled_beside(eager, options | speculation)
         else:
-            engines[f"mtp k={k}"] = LLMEngine(eager.model, weights=eager.weights, **(options | speculation))
+            engines[f"{args.method} k={k}"] = LLMEngine(eager.model, weights=eager.weights, **(options | speculation))
     print(f"checkpoint {model}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     torch.manual_seed(0)
     warm = torch.randint(0, eager.config.vocab_size, (2, 16))
@@ -137,7 +164,7 @@ def main() -> None:
                 }
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": str(model), "results": results}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"model": str(model), "method": args.method, "results": results}, indent=2) + "\n")
     print(f"\nwritten to {args.out}")
 
 

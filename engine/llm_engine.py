@@ -98,14 +98,14 @@ class LLMEngine:
             state_memory_bytes=state_memory_bytes,
             resident_prefix_bytes=resident_prefix_bytes,
             weights=weights,
-            lookahead=self.speculative_tokens,
+            lookahead=self._draft_rows(method),
             draft_layers=len(model.mtp) if drafting else 0,
         )
         self.drafter: MtpDrafter | DSparkDrafter | None = None
         if method == "mtp":
             self.drafter = MtpDrafter(model, self.kv.cache)
         elif method == "dspark":
-            self.drafter = DSparkDrafter(model, self.kv.cache, self.speculative_tokens)
+            self.drafter = DSparkDrafter(model, self.kv.cache, self._draft_rows(method))
         self.runner = ModelRunner(
             model,
             self.kv.cache,
@@ -534,6 +534,13 @@ class LLMEngine:
         kept = [streams[i][: seqs[i].num_computed - starts[i]] if streams else None for i in running]
         wanted = [self._draft_count(seqs[i]) for i in running]
         self.drafter.advance([seqs[i] for i in running], kept, [starts[i] for i in running], wanted)
+
+    def _draft_rows(self, method: str | None) -> int:
+        """The most rows a step computes past a sequence's accepted tokens: its drafts, or DSpark's
+        whole block, which it drafts as it was trained, whatever it keeps (engine/model/dspark.py)."""
+        if method == "dspark":
+            return max(self.speculative_tokens, self.config.dspark_block_size)
+        return self.speculative_tokens
 
     def _draft_count(self, seq: Sequence) -> int:
         """How many tokens to draft for a sequence: none where the target's choice must be made one
