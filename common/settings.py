@@ -37,6 +37,9 @@ class Settings(BaseSettings):
     speculative: Literal["auto", "off", "mtp", "dspark"] = "auto"
     speculative_tokens: int = 3
     speculative_max_batch: int = 4
+    # DSpark: verify a sequence's drafts only while its confidence head's estimate that they are
+    # all accepted (the product of their confidences) is at least this; 0: verify every draft
+    speculative_min_confidence: float = 0.0
     served_model_name: str = "deepmesh-tiny"
     # whether a chat request that does not say (thinking, reasoning_effort, chat_template_kwargs)
     # reasons before its answer: off, as vLLM and SGLang serve DeepSeek's models, so that clients

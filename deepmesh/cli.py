@@ -253,7 +253,8 @@ def _speculative_flags(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "off", "mtp", "dspark"],
         default=None,
         help="draft tokens and verify them in one decode step: mtp (V4's multi-token-prediction module), "
-        "auto (where the checkpoint has one and its drafts pay), off (default: DEEPMESH_SPECULATIVE, auto)",
+        "dspark (V4.1's draft model), auto (where the checkpoint has a drafter and its drafts pay), off "
+        "(default: DEEPMESH_SPECULATIVE, auto)",
     )
     parser.add_argument(
         "--speculative-tokens", type=int, default=None, help="tokens drafted a step (DEEPMESH_SPECULATIVE_TOKENS, 3)"
@@ -267,6 +268,7 @@ def _speculation(args: argparse.Namespace, settings) -> dict:
         "speculative": args.speculative or settings.speculative,
         "speculative_tokens": tokens,
         "speculative_max_batch": settings.speculative_max_batch,
+        "speculative_min_confidence": settings.speculative_min_confidence,
     }
 
 

@@ -111,8 +111,13 @@ class DSparkDrafter:
     A sequence whose rows have a gap (its state was loaded, or steps ran without the drafter)
     reads main keys from where this engine's rows start again (`draft_floor`) on."""
 
-    def __init__(self, model: torch.nn.Module, cache: StateCache, block_size: int):
+    def __init__(self, model: torch.nn.Module, cache: StateCache, block_size: int, min_confidence: float = 0.0):
+        """`min_confidence`: a sequence's drafts are verified while the product of their
+        confidences, the confidence head's estimate that all of them are accepted, is at least
+        this (DeepInfer's `MTPVarlen` and SGLang's DSpark scheduler size verification by the
+        same products; 0, DeepInfer's default, verifies every draft)."""
         self.model, self.cache, self.block_size = model, cache, block_size
+        self.min_confidence = min_confidence
         self.device = model.lm_head.weight.device
         self.compiled: CompiledDecode | None = None  # drafts run eager
 
@@ -142,5 +147,6 @@ class DSparkDrafter:
             tensor([seq.draft_floor for seq, _ in drafting]),
             self.block_size,
         )
-        for (seq, k), row, sure in zip(drafting, drafts.tolist(), confidence.tolist(), strict=True):
-            seq.drafts, seq.draft_confidence = row[:k], sure[:k]
+        surviving = (confidence.cumprod(dim=1) >= self.min_confidence).int().cumprod(dim=1).sum(dim=1).tolist()
+        for (seq, k), row, sure, kept in zip(drafting, drafts.tolist(), confidence.tolist(), surviving, strict=True):
+            seq.drafts, seq.draft_confidence = row[: min(k, kept)], sure[: min(k, kept)]

@@ -57,6 +57,7 @@ class LLMEngine:
         speculative: str = "off",
         speculative_tokens: int = 3,
         speculative_max_batch: int = 4,
+        speculative_min_confidence: float = 0.0,
     ):
         """`weights` names the checkpoint (engine.checkpoint.weights_id): part of the state layout, so that
         state is only ever shared between engines running the same weights.
@@ -74,7 +75,8 @@ class LLMEngine:
         (engine/speculation.py): "mtp" with V4's multi-token-prediction module, "dspark" with
         V4.1's draft model, "auto" with the checkpoint's drafter where it has one and while what it
         drafts is accepted often enough, "off"; never for a step of more than
-        `speculative_max_batch` sequences."""
+        `speculative_max_batch` sequences. `speculative_min_confidence` (DSpark): verify a
+        sequence's drafts while the product of their confidences is at least this (0: all)."""
         self.model = model
         self.config: ModelConfig | V41Config = model.config
         self.device = model.lm_head.weight.device
@@ -105,7 +107,7 @@ class LLMEngine:
         if method == "mtp":
             self.drafter = MtpDrafter(model, self.kv.cache)
         elif method == "dspark":
-            self.drafter = DSparkDrafter(model, self.kv.cache, self._draft_rows(method))
+            self.drafter = DSparkDrafter(model, self.kv.cache, self._draft_rows(method), speculative_min_confidence)
         self.runner = ModelRunner(
             model,
             self.kv.cache,

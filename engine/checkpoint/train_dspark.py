@@ -133,19 +133,21 @@ def train_checkpoint_dspark(
     continuations: int | None = None,
     new_tokens: int = 112,
     held_out: int = 16,
+    anchors: int = 64,
 ) -> tuple:
     """Train the DSpark stages of the V4.1 checkpoint at `path` (unquantized) on `continuations`
     greedy continuations (default: one per 4 steps, at least 64) and write them back. Returns
-    (first draft right, mean drafts accepted) on `held_out` other continuations, before and after."""
+    (first draft right, mean drafts accepted) at `anchors` places of `held_out` other
+    continuations, before and after."""
     path = Path(path)
     model = load_model(path, dtype=torch.float32)
     if not len(model.mtp) or not model.config.has_dspark:
         raise ValueError(f"{path} has no DSpark stages (write it with --preset tiny-v41-dspark)")
     train = greedy_sequences(model, continuations or max(steps // 4, 64), 16, new_tokens, seed)
     others = greedy_sequences(model, held_out, 16, new_tokens, seed + 1)
-    before = block_accuracy(model, others)
+    before = block_accuracy(model, others, anchors)
     train_dspark(model, train, steps, learning_rate=learning_rate, seed=seed)
-    after = block_accuracy(model, others)
+    after = block_accuracy(model, others, anchors)
     weights = path / "model.safetensors"
     stored = load_file(weights)
     for name, value in model.mtp.state_dict(prefix="mtp.").items():

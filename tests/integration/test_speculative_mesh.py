@@ -46,6 +46,7 @@ def test_serve_and_decode_take_the_speculation_flags():
             "speculative": method,
             "speculative_tokens": 2,
             "speculative_max_batch": 4,
+            "speculative_min_confidence": 0.0,
         }
     defaults = _speculation(build_parser().parse_args(["serve"]), Settings())
     assert defaults["speculative"] == "auto" and defaults["speculative_tokens"] == 3
