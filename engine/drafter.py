@@ -1,5 +1,5 @@
-"""The drafters: propose the tokens that follow each running sequence's
-pending one, for the target model to verify in its next step (engine/speculation.py).
+"""The drafters: they propose the tokens that follow each running sequence's pending one, for
+the target model to verify in its next step (engine/speculation.py).
 
 DeepSeek-V4's MTP module (engine/model/v4.py `MultiTokenPrediction`) computes its row at
 position p from token p + 1 and the target's residual streams at p, so it runs one row behind
@@ -67,6 +67,9 @@ class MtpDrafter:
             rows = torch.tensor([row for _, _, row in chains], device=self.device)
             self._chain([(seq, k) for seq, k, _ in chains], drafts[rows], own[rows])
 
+    def keep_up(self, seqs: list[Sequence], starts: list[int]) -> None:
+        """A step without the drafter computed no streams for it: its rows start again (`advance`)."""
+
     def _chain(self, seqs: list[tuple[Sequence, int]], drafts: torch.Tensor, streams: torch.Tensor) -> None:
         """Draft k tokens for each (sequence, k) from its module row's draft and streams: each draft
         is the module's most likely next token, fed back with its streams for the one after."""
@@ -104,12 +107,13 @@ class MtpDrafter:
 
 
 class DSparkDrafter:
-    """DeepSeek-V4.1's DSpark (engine/model/dspark.py): the target's steps store its main keys as
-    they run (in a cache with the stages' rings), so drafting needs no rows handed over: one forward of a block
-    per sequence, its pending token then noise tokens, gives every draft at once.
+    """DeepSeek-V4.1's DSpark (engine/model/dspark.py): every target step stores its main keys as
+    it runs (in a cache with the stages' rings), steps without drafts too, so drafting needs no
+    rows handed over: one forward of a block per sequence, its pending token then noise tokens,
+    gives every draft at once.
 
-    A sequence whose rows have a gap (its state was loaded, or steps ran without the drafter)
-    reads main keys from where this engine's rows start again (`draft_floor`) on."""
+    A sequence whose rows have a gap (its state was loaded, or it was preempted) reads main keys
+    from where this engine's rows start again (`draft_floor`) on."""
 
     def __init__(self, model: torch.nn.Module, cache: StateCache, block_size: int, min_confidence: float = 0.0):
         """`min_confidence`: a sequence's drafts are verified while the product of their
@@ -121,15 +125,22 @@ class DSparkDrafter:
         self.device = model.lm_head.weight.device
         self.compiled: CompiledDecode | None = None  # drafts run eager
 
+    def keep_up(self, seqs: list[Sequence], starts: list[int]) -> None:
+        """After a step that computed seqs[i]'s positions starts[i].. and stored their main keys:
+        the rows each sequence's blocks may read now reach its computed length."""
+        for seq, start in zip(seqs, starts, strict=True):
+            if seq.draft_upto != start:  # a gap: earlier main keys in its slot are not its own
+                seq.draft_floor = start
+            seq.draft_upto = seq.num_computed
+
     @torch.inference_mode()
     def advance(self, seqs: list[Sequence], streams: object, starts: list[int], wanted: list[int]) -> None:
         """After a step that computed seqs[i]'s positions starts[i].. (their main keys stored), draft
         wanted[i] tokens for each sequence whose pending token is known (`Sequence.drafts`)."""
+        self.keep_up(seqs, starts)
         drafting = []
-        for seq, start, k in zip(seqs, starts, wanted, strict=True):
-            if seq.draft_upto != start:  # a gap: earlier main keys in its slot are not its own
-                seq.draft_floor = start
-            seq.draft_upto, seq.drafts = seq.num_computed, []
+        for seq, k in zip(seqs, wanted, strict=True):
+            seq.drafts = []
             if k and seq.num_tokens == seq.num_computed + 1:
                 drafting.append((seq, k))
         if not drafting:

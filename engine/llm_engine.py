@@ -412,11 +412,11 @@ class LLMEngine:
         # sequences with drafts, their rows' hidden states and (where the step computed them) logits
         verified: list[tuple[Sequence, torch.Tensor, torch.Tensor | None]] = []
         if batch is not None:
+            starts = [seq.num_computed for seq in batch.seqs]
             if drafting:
                 drafts = [[] if batch.is_prefill else seq.drafts for seq in batch.seqs]
                 all_rows, streams, all_logits = self.runner.forward_rows(batch.seqs, batch.num_tokens, drafts)
                 last = torch.stack([r[n - 1] for r, n in zip(all_rows, batch.num_tokens, strict=True)])
-                starts = [seq.num_computed for seq in batch.seqs]
             else:
                 last, decoded = self.runner.forward(batch.seqs, batch.num_tokens)
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
@@ -441,6 +441,8 @@ class LLMEngine:
         elif batch is not None:
             for seq in batch.seqs:
                 seq.drafts = []
+            if self.drafter is not None:  # DSpark's main keys were stored all the same
+                self.drafter.keep_up(batch.seqs, starts)
         return outputs
 
     def _sample(

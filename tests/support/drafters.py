@@ -21,3 +21,6 @@ class ScriptedDrafter:
             self.turn += 1
             seq.drafts = [t if i < right else (t + 1) % self.vocab for i, t in enumerate(follows)]
             self.right += min(right, len(follows))
+
+    def keep_up(self, seqs: list[Sequence], starts: list[int]) -> None:
+        """Steps without drafts: nothing to follow."""

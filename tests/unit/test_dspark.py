@@ -183,6 +183,9 @@ class CheckedDSpark:
         self.recording.advance(seqs, streams, starts, wanted)
         self.scripted.advance(seqs, streams, starts, wanted)
 
+    def keep_up(self, seqs: list[Sequence], starts: list[int]) -> None:
+        self.recording.keep_up(seqs, starts)
+
 
 def test_drafts_after_accepted_and_rejected_rows_are_those_from_one_prefill(model, prompts, reference):
     """V4.1's target verifies drafts right for every count 0..k: its output stays the reference's
@@ -237,6 +240,9 @@ class Recording:
             if seq.drafts
         ]
 
+    def keep_up(self, seqs: list[Sequence], starts: list[int]) -> None:
+        self.dspark.keep_up(seqs, starts)
+
 
 def test_a_loaded_state_drafts_from_its_own_rows_only(model, prompts, reference):
     """A request handed over mid-generation has no main keys for what another engine computed: its
@@ -258,6 +264,9 @@ def test_a_loaded_state_drafts_from_its_own_rows_only(model, prompts, reference)
         rings = engine.kv.cache.window[model.config.num_hidden_layers :]
 
         class Garbage:  # before the first block: random keys at every position below the first row
+            def keep_up(self, seqs, starts):
+                recording.keep_up(seqs, starts)
+
             def advance(self, seqs, streams, starts, wanted):
                 if garbage and not recording.proposed:
                     for seq, start in zip(seqs, starts, strict=True):
@@ -298,3 +307,27 @@ def test_self_distillation_trains_the_stages_and_writes_them_back(checkpoint, tm
     prompt = random_prompts([30], 20_000, seed=9)[0]
     plain = LLMEngine(after).generate([prompt], GREEDY)[0].token_ids
     assert LLMEngine(after, speculative="dspark").generate([prompt], GREEDY)[0].token_ids == plain
+
+
+def test_blocks_after_steps_without_drafts_read_the_keys_those_steps_stored(model, prompts, reference):
+    """Steps of more sequences than `speculative_max_batch` run without drafts but still store
+    main keys: once a request drafts again, its block reads them all, as after one prefill."""
+    engine = LLMEngine(
+        model, max_num_batched_tokens=64, speculative="dspark", speculative_tokens=3, speculative_max_batch=1
+    )
+    recording = engine.drafter = Recording(engine.drafter)
+    short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = engine.generate(prompts[:2], [GREEDY, short])  # two at a time until the short one ends
+    assert outputs[0].token_ids == reference[len(prompts[0])]
+    # the long request's first block after the steps the two ran together (the prompts' step drafted)
+    first = prompts[0]
+    sequence, drafts, confidence = next(
+        p for p in recording.proposed if p[0][: len(first)] == first and len(p[0]) > len(first) + 1
+    )
+    assert len(sequence) >= len(first) + 8
+
+    fresh = LLMEngine(model, max_num_batched_tokens=64, speculative="dspark", speculative_tokens=3)
+    once = fresh.drafter = Recording(fresh.drafter)
+    fresh.generate([sequence[:-1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    [(drafted_once, confidence_once)] = [(d, c) for s, d, c in once.proposed if s == sequence]
+    assert drafted_once == drafts and confidence_once == pytest.approx(confidence, abs=1e-5)

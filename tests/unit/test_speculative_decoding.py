@@ -153,6 +153,9 @@ def test_sampled_requests_draw_the_tokens_they_draw_without_speculation(mtp_mode
     )
 
     class Guess:  # the commonest continuation: right for many requests, wrong for the rest
+        def keep_up(self, seqs, starts):
+            pass
+
         def advance(self, seqs, streams, starts, wanted):
             for seq, k in zip(seqs, wanted, strict=True):
                 done = len(seq.output_token_ids)
