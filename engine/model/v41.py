@@ -485,6 +485,9 @@ class DSparkStage(DecoderLayer):
         self.add_norms_and_mixes(config)
         self.attn = DraftAttention(config, ring)
         self.ffn = MoE(config.dspark_stage_config())
+        # draft rows are never image tokens: no image bias to route them by (a checkpoint's, if it
+        # has one, is named unused rather than required)
+        del self.ffn.gate.bias_vl
         self.engram = None
         h, targets = config.hidden_size, len(config.dspark_target_layer_ids)
         if stage == 0:

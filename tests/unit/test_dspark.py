@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from engine import LLMEngine, SamplingParams
 from engine.checkpoint import load_model
@@ -331,3 +332,17 @@ def test_blocks_after_steps_without_drafts_read_the_keys_those_steps_stored(mode
     fresh.generate([sequence[:-1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     [(drafted_once, confidence_once)] = [(d, c) for s, d, c in once.proposed if s == sequence]
     assert drafted_once == drafts and confidence_once == pytest.approx(confidence, abs=1e-5)
+
+
+def test_a_stages_image_bias_is_named_unused_and_not_required(checkpoint, tmp_path, caplog):
+    """Draft rows are never image tokens: the stages' MoE gates have no `bias_vl`. A checkpoint
+    that carries one for them loads all the same, naming it unused; one without it (as
+    make-model writes) loads too."""
+    path = Path(shutil.copytree(checkpoint, tmp_path / "model"))
+    tensors = load_file(path / "model.safetensors")
+    assert not any(name.endswith("gate.bias_vl") and name.startswith("mtp.") for name in tensors)
+    tensors["mtp.0.ffn.gate.bias_vl"] = torch.zeros(4)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        loaded = load_model(path)
+    assert len(loaded.mtp) == 3 and "mtp.0.ffn.gate.bias_vl" in caplog.text
