@@ -84,6 +84,12 @@ def _main_streams(model: DeepseekV4ForCausalLM, sequences: list[tuple[list[int],
         ]
 
 
+def _examples(model: DeepseekV4ForCausalLM, sequences: list[tuple[list[int], int]]) -> list[tuple]:
+    """(tokens, prompt length, the main model's streams) of each sequence."""
+    streams = _main_streams(model, sequences)
+    return [(tokens, n, rows) for (tokens, n), rows in zip(sequences, streams, strict=True)]
+
+
 def _first_drafts(
     model: DeepseekV4ForCausalLM, batch: list[tuple[list[int], int, torch.Tensor]], cache: StateCache
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,9 +145,7 @@ def train_mtp(
     """Train model.mtp[0] in place; the main model stays frozen. Returns the loss of every step."""
     module = model.mtp[0]
     module.self_attn.backend = DifferentiableBackend()
-    examples = [
-        (tokens, n, streams) for (tokens, n), streams in zip(sequences, _main_streams(model, sequences), strict=True)
-    ]
+    examples = _examples(model, sequences)
     cache = _scratch_cache(model, batch_size, max(len(tokens) for tokens, _ in sequences))
     order = torch.Generator().manual_seed(seed)
 
@@ -154,12 +158,10 @@ def train_mtp(
     return train_module(model, module, steps, learning_rate, step_loss)
 
 
-def draft_accuracy(model: DeepseekV4ForCausalLM, sequences: list[tuple[list[int], int]]) -> float:
-    """How often the module's first draft is the model's greedy token, over the generated positions."""
-    examples = [
-        (tokens, n, streams) for (tokens, n), streams in zip(sequences, _main_streams(model, sequences), strict=True)
-    ]
-    cache = _scratch_cache(model, 1, max(len(tokens) for tokens, _ in sequences))
+def draft_accuracy(model: DeepseekV4ForCausalLM, examples: list[tuple]) -> float:
+    """How often the module's first draft is the model's greedy token, over the generated positions
+    of these examples (`_examples`)."""
+    cache = _scratch_cache(model, 1, max(len(tokens) for tokens, _, _ in examples))
     right = total = 0
     with torch.no_grad():
         for example in examples:
@@ -182,7 +184,7 @@ def train_checkpoint_drafter(
     if not len(model.mtp):
         raise ValueError(f"{path} has no multi-token-prediction module (write it with --format deepseek)")
     train = greedy_sequences(model, max(steps, 64), 16, 112, seed)
-    held_out = greedy_sequences(model, 16, 16, 112, seed + 1)
+    held_out = _examples(model, greedy_sequences(model, 16, 16, 112, seed + 1))  # the main model's: frozen
     before = draft_accuracy(model, held_out)
     train_mtp(model, train, steps, learning_rate=learning_rate, seed=seed)
     after = draft_accuracy(model, held_out)

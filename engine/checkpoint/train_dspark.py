@@ -42,9 +42,12 @@ def target_features(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 Example = tuple[list[int], int, torch.Tensor]  # tokens, prompt length, features
 
 
-def _anchors(examples: list[Example], picks: list[tuple[int, int]], cache: StateCache, size: int, model) -> tuple:
-    """Main keys of each picked (example, anchor a) into slot i's rings, then its block's rows:
-    (logits [S, B, V], hidden [S, B, d], the tokens before each row [S, B], the targets [S, B])."""
+def _anchors(
+    examples: list[Example], picks: list[tuple[int, int]], cache: StateCache, size: int, model: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Main keys of each picked (example, anchor a) into slot i's rings. Returns, per pick, the
+    tokens at a + 1 .. a + B (each block row's token before the one it predicts) and at
+    a + 2 .. a + B + 1 (what the rows should predict), [S, B] each, and each block's start a + 1."""
     window = model.config.sliding_window
     slices, rows, positions = [], [], []
     for slot, (i, a) in enumerate(picks):
@@ -56,10 +59,7 @@ def _anchors(examples: list[Example], picks: list[tuple[int, int]], cache: State
     store_main_keys(model.mtp, cache, torch.cat(rows), step, model.rotary["main"](step.positions, torch.float32))
     before = torch.tensor([examples[i][0][a + 1 : a + 1 + size] for i, a in picks])
     targets = torch.tensor([examples[i][0][a + 2 : a + 2 + size] for i, a in picks])
-    starts = torch.tensor([a + 1 for _, a in picks])
-    slots = torch.arange(len(picks))
-    logits, hidden = block_rows(model, cache, before[:, 0], starts, slots, torch.zeros_like(slots), size)
-    return logits, hidden, before, targets
+    return before, targets, torch.tensor([a + 1 for _, a in picks])
 
 
 def _pick(examples: list[Example], count: int, size: int, gen: torch.Generator) -> list[tuple[int, int]]:
@@ -84,13 +84,15 @@ def train_dspark(
     size = model.config.dspark_block_size
     for stage in model.mtp:
         stage.attn.backend = DifferentiableBackend()
-    examples = [(tokens, n, target_features(model, tokens)) for tokens, n in sequences]
+    examples = _examples(model, sequences)
     cache = _scratch(model, batch_size, size)
     gen = torch.Generator().manual_seed(seed)
 
     def step_loss() -> torch.Tensor:
         cache.window = [ring.detach() for ring in cache.window]  # the last step's keys are not this one's graph
-        logits, hidden, before, targets = _anchors(examples, _pick(examples, batch_size, size, gen), cache, size, model)
+        before, targets, starts = _anchors(examples, _pick(examples, batch_size, size, gen), cache, size, model)
+        slots = torch.arange(batch_size)
+        logits, hidden = block_rows(model, cache, before[:, 0], starts, slots, torch.zeros_like(slots), size)
         loss = torch.zeros(())
         for j in range(size):
             corrected, sure = markov_step(model, logits[:, j], hidden[:, j], before[:, j])
@@ -107,22 +109,23 @@ def _scratch(model: torch.nn.Module, sequences: int, size: int) -> StateCache:
     return StateCache(config, 1, sequences, torch.float32, "cpu", lookahead=size, draft_layers=len(model.mtp))
 
 
-def block_accuracy(model: torch.nn.Module, sequences: list[tuple[list[int], int]], anchors: int = 64) -> tuple:
+def block_accuracy(model: torch.nn.Module, examples: list[Example], anchors: int = 64) -> tuple[float, float]:
     """Over random anchors of these continuations: how often the first draft is the target's greedy
     token, and the mean number of drafts, from the first, that are (what greedy verification accepts)."""
     size = model.config.dspark_block_size
-    examples = [(tokens, n, target_features(model, tokens)) for tokens, n in sequences]
     picks = _pick(examples, anchors, size, torch.Generator().manual_seed(1))
     cache = _scratch(model, len(picks), size)
     with torch.no_grad():
-        _anchors(examples, picks, cache, size, model)  # the main keys
-        targets = torch.tensor([examples[i][0][a + 2 : a + 2 + size] for i, a in picks])
-        pending = torch.tensor([examples[i][0][a + 1] for i, a in picks])
-        starts, slots = torch.tensor([a + 1 for _, a in picks]), torch.arange(len(picks))
-        drafts, _ = draft_blocks(model, cache, pending, starts, slots, torch.zeros_like(slots), size)
+        before, targets, starts = _anchors(examples, picks, cache, size, model)
+        slots = torch.arange(len(picks))
+        drafts, _ = draft_blocks(model, cache, before[:, 0], starts, slots, torch.zeros_like(slots), size)
     right = drafts == targets
     accepted = right.int().cumprod(dim=1).sum(dim=1).float()
     return float(right[:, 0].float().mean()), float(accepted.mean())
+
+
+def _examples(model: torch.nn.Module, sequences: list[tuple[list[int], int]]) -> list[Example]:
+    return [(tokens, n, target_features(model, tokens)) for tokens, n in sequences]
 
 
 def train_checkpoint_dspark(
@@ -144,7 +147,7 @@ def train_checkpoint_dspark(
     if not len(model.mtp) or not model.config.has_dspark:
         raise ValueError(f"{path} has no DSpark stages (write it with --preset tiny-v41-dspark)")
     train = greedy_sequences(model, continuations or max(steps // 4, 64), 16, new_tokens, seed)
-    others = greedy_sequences(model, held_out, 16, new_tokens, seed + 1)
+    others = _examples(model, greedy_sequences(model, held_out, 16, new_tokens, seed + 1))  # the target's: frozen
     before = block_accuracy(model, others, anchors)
     train_dspark(model, train, steps, learning_rate=learning_rate, seed=seed)
     after = block_accuracy(model, others, anchors)
