@@ -84,12 +84,16 @@ class LLMEngine:
         self.max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
-        method = drafting_method(model, speculative)
+        self.speculative_method = method = drafting_method(model, speculative)  # "mtp", "dspark" or None
         drafting = method is not None
         self.speculation = SpeculationSwitch(speculative if drafting else "off", speculative_max_batch)
         self.speculative_tokens = speculative_tokens if drafting else 0
         if drafting and speculative_tokens < 1:
             raise ValueError(f"speculative_tokens must be at least 1, got {speculative_tokens}")
+        # the most rows a step computes past a sequence's accepted tokens: its drafts, or DSpark's
+        # whole block, which it drafts as it was trained, whatever it keeps (engine/model/dspark.py)
+        block = self.config.dspark_block_size if method == "dspark" else 0
+        draft_rows = max(self.speculative_tokens, block)
         self.kv = KVManager(
             self.config,
             self.dtype,
@@ -100,14 +104,14 @@ class LLMEngine:
             state_memory_bytes=state_memory_bytes,
             resident_prefix_bytes=resident_prefix_bytes,
             weights=weights,
-            lookahead=self._draft_rows(method),
+            lookahead=draft_rows,
             draft_layers=len(model.mtp) if drafting else 0,
         )
         self.drafter: MtpDrafter | DSparkDrafter | None = None
         if method == "mtp":
             self.drafter = MtpDrafter(model, self.kv.cache)
         elif method == "dspark":
-            self.drafter = DSparkDrafter(model, self.kv.cache, self._draft_rows(method), speculative_min_confidence)
+            self.drafter = DSparkDrafter(model, self.kv.cache, draft_rows, speculative_min_confidence)
         self.runner = ModelRunner(
             model,
             self.kv.cache,
@@ -164,13 +168,6 @@ class LLMEngine:
             config = model.config
             kwargs["grammars"] = GrammarCompiler(tokenizer, config.vocab_size, config.eos_token_ids[0])
         return cls(model, weights=weights_id(path), **kwargs)
-
-    @property
-    def speculative_method(self) -> str | None:
-        """The drafter's method ("mtp", "dspark"), or None where the engine does not draft."""
-        if self.drafter is None:
-            return None
-        return "mtp" if isinstance(self.drafter, MtpDrafter) else "dspark"
 
     @property
     def backend(self) -> object:
@@ -538,13 +535,6 @@ class LLMEngine:
         kept = [streams[i][: seqs[i].num_computed - starts[i]] if streams else None for i in running]
         wanted = [self._draft_count(seqs[i]) for i in running]
         self.drafter.advance([seqs[i] for i in running], kept, [starts[i] for i in running], wanted)
-
-    def _draft_rows(self, method: str | None) -> int:
-        """The most rows a step computes past a sequence's accepted tokens: its drafts, or DSpark's
-        whole block, which it drafts as it was trained, whatever it keeps (engine/model/dspark.py)."""
-        if method == "dspark":
-            return max(self.speculative_tokens, self.config.dspark_block_size)
-        return self.speculative_tokens
 
     def _draft_count(self, seq: Sequence) -> int:
         """How many tokens to draft for a sequence: none where the target's choice must be made one

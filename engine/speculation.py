@@ -63,12 +63,9 @@ def verify_sampled(
 
 
 def _verify_argmax_drafts(target: torch.Tensor, drafts: list[int], seed: int, position: int) -> Verdict:
-    """Each row draws the sampler's own token; the drafts are kept while they are those tokens."""
-    for j, draft in enumerate(drafts):
-        token = _draw(target[j], seed, position + j)
-        if token != draft:
-            return Verdict(j, [*drafts[:j], token])
-    return Verdict(len(drafts), [*drafts, _draw(target[len(drafts)], seed, position + len(drafts))])
+    """Each row draws the sampler's own token; the drafts are kept while they are those tokens, as
+    a greedy row keeps them while they are its argmax."""
+    return verify_greedy([_draw(row, seed, position + j) for j, row in enumerate(target)], drafts)
 
 
 def _draw(weights: torch.Tensor, seed: int, position: int) -> int:

@@ -186,6 +186,11 @@ class AttentionProjections(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.backend = TorchBackend()
 
+    def queries(self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The heads' queries [T, H, d] from the low-rank residual `q_norm(wq_a(x))`."""
+        q = self.wq_b(q_residual).view(q_residual.shape[0], self.num_heads, self.head_dim)
+        return apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope_(self.kv_norm(self.wkv(x)), cos, sin)
 
@@ -218,12 +223,9 @@ class Attention(AttentionProjections):
     def forward(
         self, x: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache, ctx: StepContext
     ) -> torch.Tensor:
-        n_tokens = x.shape[0]
         cos, sin = rope[self.rope_type]
         q_residual = self.q_norm(self.wq_a(x))
-        q = apply_rope_(
-            self.wq_b(q_residual).view(n_tokens, self.num_heads, self.head_dim), cos.unsqueeze(1), sin.unsqueeze(1)
-        )
+        q = self.queries(q_residual, cos, sin)
         kv = self.keys(x, cos, sin)
         if self.compressor is not None and not self.config.is_consumer(self.layer):
             self.compress(x, step, cache)  # consumer layers compress from the shared hidden: see the model
@@ -462,8 +464,7 @@ class DraftAttention(AttentionProjections):
 
     def forward(self, x: torch.Tensor, rows: DraftRows, rope: Rope, cache: StateCache, ctx: object) -> torch.Tensor:
         cos, sin = rope["main"]
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(x.shape[0], self.num_heads, self.head_dim)
-        q = apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        q = self.queries(self.q_norm(self.wq_a(x)), cos, sin)
         ring = cache.window[self.ring]
         size = ring.shape[1]
         ring[rows.slots, rows.positions % size] = self.keys(x, cos, sin)
