@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
+
+from engine import LLMEngine
 from engine.sequence import Sequence
 
 
@@ -24,3 +28,14 @@ class ScriptedDrafter:
 
     def keep_up(self, seqs: list[Sequence], starts: list[int]) -> None:
         """Steps without drafts: nothing to follow."""
+
+
+def counting_drafts(counts: Counter) -> Callable[[LLMEngine], None]:
+    """An `after_step` for decode_to_end: adds each step's drafted, accepted and verified to `counts`."""
+
+    def count(engine: LLMEngine) -> None:
+        counts.update(
+            drafted=engine.last_step_drafted, accepted=engine.last_step_accepted, verified=engine.last_step_verified
+        )
+
+    return count

@@ -5,6 +5,7 @@ steps a prefill and a decode worker take."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,12 +125,29 @@ def all_state_free(engine: LLMEngine) -> bool:
     return cache.block_allocator.num_free == cache.num_blocks and cache.num_free_slots == cache.max_seqs
 
 
-def decode_to_end(engine: LLMEngine) -> dict[str, list[int]]:
+def decode_to_end(engine: LLMEngine, after_step: Callable[[LLMEngine], None] | None = None) -> dict[str, list[int]]:
+    """Each request's new tokens, stepping until none is left; `after_step(engine)` after each step
+    (to read what the step did: `last_step_drafted`, ...)."""
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if after_step is not None:
+            after_step(engine)
     return tokens
+
+
+def decode_until(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams, count: int
+) -> list[int]:
+    """Add a request and step until it has `count` or more new tokens (still running): those tokens."""
+    engine.add_request(request_id, prompt, params)
+    produced: list[int] = []
+    while len(produced) < count:
+        for out in engine.step():
+            if out.request_id == request_id:
+                produced.extend(out.new_token_ids)
+    return produced
 
 
 def family_preset(request: pytest.FixtureRequest, family: str) -> Path:

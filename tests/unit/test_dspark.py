@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,8 @@ from engine.checkpoint.train_dspark import train_checkpoint_dspark, train_dspark
 from engine.model.dspark import DraftRows, block_window
 from engine.sequence import Sequence
 from tests.support.deepinfer_reference import deepinfer_root, tilelang_op
-from tests.support.drafters import ScriptedDrafter
-from tests.support.models import all_state_free, random_prompts
+from tests.support.drafters import ScriptedDrafter, counting_drafts
+from tests.support.models import all_state_free, decode_to_end, decode_until, random_prompts
 
 WINDOW = 16  # small, so that 30 tokens wrap every ring
 LENGTHS = (3, 21, 170)  # the last one longer than KEEP (140): a truncated prompt
@@ -156,16 +157,12 @@ def test_a_confidence_floor_verifies_fewer_drafts_to_the_same_output(model, prom
     engine = LLMEngine(
         model, max_num_batched_tokens=64, speculative="dspark", speculative_tokens=5, speculative_min_confidence=0.3
     )
-    tokens: dict[str, list[int]] = {}
-    drafted = verified = 0
+    counts = Counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        drafted, verified = drafted + engine.last_step_drafted, verified + engine.last_step_verified
+    tokens = decode_to_end(engine, counting_drafts(counts))
     assert [tokens[str(i)] for i in range(len(prompts))] == [reference[len(p)] for p in prompts]
-    assert verified > 20 and drafted == verified  # one draft each
+    assert counts["verified"] > 20 and counts["drafted"] == counts["verified"]  # one draft each
 
 
 class CheckedDSpark:
@@ -197,16 +194,12 @@ def test_drafts_after_accepted_and_rejected_rows_are_those_from_one_prefill(mode
     engine = LLMEngine(model, max_num_batched_tokens=64, speculative="dspark", speculative_tokens=k)
     scripted = ScriptedDrafter(reference, vocab=VOCAB)
     engine.drafter = checked = CheckedDSpark(engine.drafter, scripted)
-    tokens: dict[str, list[int]] = {}
-    accepted = 0
+    counts = Counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        accepted += engine.last_step_accepted
+    tokens = decode_to_end(engine, counting_drafts(counts))
     assert [tokens[str(i)] for i in range(len(prompts))] == [reference[len(p)] for p in prompts]
-    assert accepted == scripted.right > 0 and all_state_free(engine)
+    assert counts["accepted"] == scripted.right > 0 and all_state_free(engine)
 
     # no resident prefixes: each prompt computed whole, its main keys written from position 0
     fresh = LLMEngine(
@@ -252,11 +245,7 @@ def test_a_loaded_state_drafts_from_its_own_rows_only(model, prompts, reference)
     reference's."""
     prompt = prompts[1]
     plain = LLMEngine(model, max_num_batched_tokens=64)
-    plain.add_request("r", prompt, GREEDY)
-    produced: list[int] = []
-    while len(produced) < 9:
-        for out in plain.step():
-            produced.extend(out.new_token_ids)
+    produced = decode_until(plain, "r", prompt, GREEDY, 9)
     snapshot = plain.export_state("r")
 
     def first_block(garbage: bool) -> tuple[list[int], list[int], list[float]]:
@@ -278,11 +267,7 @@ def test_a_loaded_state_drafts_from_its_own_rows_only(model, prompts, reference)
 
         engine.drafter = Garbage()
         engine.import_state("r", snapshot, GREEDY)
-        rest: list[int] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                rest.extend(out.new_token_ids)
-        assert produced + rest == reference[len(prompt)]
+        assert produced + decode_to_end(engine)["r"] == reference[len(prompt)]
         return recording.proposed[0]
 
     tokens, drafts, confidence = first_block(garbage=False)

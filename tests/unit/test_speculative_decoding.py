@@ -20,8 +20,8 @@ from engine import LLMEngine, SamplingParams
 from engine.checkpoint import load_model
 from engine.checkpoint.make_model import preset_config, write_checkpoint
 from engine.config import CSA, HCA
-from tests.support.drafters import ScriptedDrafter
-from tests.support.models import all_state_free, random_prompts
+from tests.support.drafters import ScriptedDrafter, counting_drafts
+from tests.support.models import all_state_free, decode_to_end, decode_until, random_prompts
 
 VOCAB = 512
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -62,16 +62,11 @@ def test_drafts_accepted_and_rejected_in_every_count_leave_the_output_and_state_
     prompts = random_prompts(LENGTHS, VOCAB, seed=1)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
-    tokens: dict[str, list[int]] = {}
-    drafted = accepted = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        drafted += engine.last_step_drafted
-        accepted += engine.last_step_accepted
+    counts = Counter()
+    tokens = decode_to_end(engine, counting_drafts(counts))
     assert [tokens[str(i)] for i in range(len(prompts))] == [reference[n] for n in LENGTHS]
     # every right draft was accepted (a wrong one never is, greedy): the steps were fewer
-    assert accepted == drafter.right and drafted > accepted > 0
+    assert counts["accepted"] == drafter.right and counts["drafted"] > counts["accepted"] > 0
     assert all_state_free(engine)
 
 
@@ -83,18 +78,9 @@ def test_a_speculating_engines_snapshot_continues_in_one_that_does_not(mtp_model
     speculating.drafter = ScriptedDrafter(reference)
     plain = LLMEngine(mtp_model, max_num_batched_tokens=64)
     assert speculating.layout == plain.layout
-    speculating.add_request("r", prompt, GREEDY)
-    produced: list[int] = []
-    while len(produced) < 17:
-        for out in speculating.step():
-            produced.extend(out.new_token_ids)
-    snapshot = speculating.export_state("r")
-    plain.import_state("r", snapshot, GREEDY)
-    rest = []
-    while plain.has_unfinished_requests():
-        for out in plain.step():
-            rest.extend(out.new_token_ids)
-    assert produced + rest == reference[len(prompt)]
+    produced = decode_until(speculating, "r", prompt, GREEDY, 17)
+    plain.import_state("r", speculating.export_state("r"), GREEDY)
+    assert produced + decode_to_end(plain)["r"] == reference[len(prompt)]
 
 
 def test_finishing_mid_block_keeps_nothing_past_the_stop(mtp_model, reference):
@@ -131,13 +117,9 @@ def test_sampled_requests_draw_the_tokens_they_draw_without_speculation(mtp_mode
 
     def run(engine: LLMEngine, params: list[SamplingParams]) -> list[list[int]]:
         engine._seed_source = random.Random(11)
-        tokens: dict[str, list[int]] = {}
         for i, p in enumerate(params):
             engine.add_request(str(i), prompt, p)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            counts.update(drafted=engine.last_step_drafted, accepted=engine.last_step_accepted)
+        tokens = decode_to_end(engine, counting_drafts(counts))
         return [tokens[str(i)] for i in range(len(params))]
 
     plain = LLMEngine(mtp_model, max_num_seqs=64, max_num_batched_tokens=1024)
@@ -185,11 +167,7 @@ def test_auto_stops_drafting_when_the_drafts_do_not_pay(mtp_model, reference):
     drafted_per_step = []
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        drafted_per_step.append(engine.last_step_drafted)
+    tokens = decode_to_end(engine, lambda e: drafted_per_step.append(e.last_step_drafted))
     assert [tokens[str(i)] for i in range(len(prompts))] == [reference[n] for n in LENGTHS]
     first_off = next(i for i, n in enumerate(drafted_per_step) if i > 2 and n == 0)
     assert 24 <= sum(drafted_per_step) < 24 + 4 * 3  # one window, and the step that completed it
