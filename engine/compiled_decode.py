@@ -12,8 +12,9 @@ serves every sequence length.
 Compiling takes minutes a bucket on two cores (about two for the tiny preset), so it happens
 behind the engine, not before it: `start` compiles the buckets on a thread of their own,
 smallest first, while the engine decodes eager; each bucket's steps switch to its graph once it
-has run (`is_ready`). Both paths compute the same tokens (tests/system/test_compiled_decode.py),
-so a request that crosses the switch reads as if it had run on either. Inductor keeps what it
+is compiled (`is_ready`). Both paths compute the same tokens (tests/system/test_compiled_decode.py),
+so a request that crosses the switch reads as if it had run on either. The compiling thread only
+compiles: a graph first runs on the engine's thread (`_compile_only`). Inductor keeps what it
 compiled on disk (TORCHINDUCTOR_CACHE_DIR, .cache/torchinductor unless set: engine/__init__.py):
 a later start with the same model shape, torch and model code loads the graphs instead of
 compiling them, in seconds."""
@@ -141,6 +142,41 @@ def _shapes(inputs: tuple[torch.Tensor | None, ...]) -> str:
     return ", ".join(str(tuple(tensor.shape)) for tensor in inputs if tensor is not None)
 
 
+BACKEND: str | Callable = "inductor"  # what decode graphs compile with (a torch.compile backend)
+
+
+class _NotRun(Exception):
+    """Raised in place of a compiled graph's run on a thread that only compiles (`_compile_only`)."""
+
+
+_only_compiling = threading.local()  # .active on the thread compiling graphs: it runs none of them
+
+
+def _compile_only(backend: str | Callable) -> Callable[[torch.fx.GraphModule, list], Callable[..., object]]:
+    """`backend`, whose graphs refuse to run (_NotRun) on a thread that only compiles.
+
+    A graph's first call compiles it, then runs it. Functionalized, as AOTAutograd makes every graph
+    for Inductor, a write into a state tensor can become a copy of the whole tensor back at the
+    graph's end: run on the compiling thread, that copy would undo whatever an eager step on the
+    engine's thread wrote into the tensor meanwhile (a request's keys, a loaded prefix). So the
+    compiling thread makes the graph and Dynamo's code for it, and the engine's thread runs it."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    compile_graph = lookup_backend(backend)
+
+    def compile_and_guard(graph: torch.fx.GraphModule, example_inputs: list) -> Callable[..., object]:
+        run = compile_graph(graph, example_inputs)
+
+        def run_unless_only_compiling(*args: object) -> object:
+            if getattr(_only_compiling, "active", False):
+                raise _NotRun
+            return run(*args)
+
+        return run_unless_only_compiling
+
+    return compile_and_guard
+
+
 def compiled_code(compiled: Callable) -> Callable[..., tuple[torch.Tensor, ...]] | None:
     """The function Dynamo made of a torch.compile'd function's one graph (loading its inputs, then
     calling the compiled graph), callable without Dynamo; None where this torch does not expose it
@@ -236,12 +272,13 @@ class CompiledDecode:
         kinds = {"decode": lambda size: _decode_function(size, streams)}
         if streams:
             kinds["draft"] = lambda size: _named(draft_rows, size)
+        backend = _compile_only(BACKEND)
         self._graphs = {
-            (kind, size): torch.compile(function(size), dynamic=False, fullgraph=True)
+            (kind, size): torch.compile(function(size), backend=backend, dynamic=False, fullgraph=True)
             for kind, function in kinds.items()
             for size in self.buckets
         }
-        # per graph that has run once: the code to call it without Dynamo, or None (see _run)
+        # per graph compiled: the code to call it without Dynamo, or None (see _run)
         self._direct: dict[tuple[str, int], Callable[..., tuple[torch.Tensor, ...]] | None] = {}
         self._ready: set[int] = set()  # buckets a step may run: written by the compiling thread only
         self.on_progress = on_progress  # (buckets ready, buckets planned), after each bucket
@@ -397,30 +434,30 @@ class CompiledDecode:
         # Once a bucket's graph is compiled, nothing Dynamo checks before a call changes: the bucket
         # fixes the batch, the weights and the state tensors are the same objects for the engine's
         # life, and the one size that varies, the block-table width, is a dynamic dimension of the
-        # graph (tests/system/test_compiled_decode.py checks that wider tables pass its guards). So a later
+        # graph (tests/system/test_compiled_decode.py checks that wider tables pass its guards). So a
         # call runs the code Dynamo made for the graph directly: no guards, and no Dynamo hook on
         # every Python frame the call runs (1.2x the step at batch 1 here).
-        direct = self._direct.get(graph)
+        direct = self._direct[graph]
         if direct is not None:
             return direct(self.model, self.cache, *inputs)
+        try:  # this torch keeps no code to call: guards skipped
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._graphs[graph](self.model, self.cache, *inputs)
+        except RuntimeError as error:  # raised before the graph runs: nothing was written yet
+            if "Recompilation triggered" not in str(error):
+                raise
+            log.warning("%s graph for batch %d compiled again (%s)", *graph, _shapes(inputs))
+        return self._call(graph, inputs)
+
+    def _call(self, graph: tuple[str, int], inputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+        """Call the graph through Dynamo, which compiles it first where no compiled graph's guards pass."""
         if graph[0] == "decode":
             torch._dynamo.maybe_mark_dynamic(inputs[3], 1)  # the block-table width
-        if graph in self._direct:  # run before, but this torch keeps no code to call: guards skipped
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return self._graphs[graph](self.model, self.cache, *inputs)
-            except RuntimeError as error:  # raised before the graph runs: nothing was written yet
-                if "Recompilation triggered" not in str(error):
-                    raise
-                log.warning("%s graph for batch %d compiled again (%s)", *graph, _shapes(inputs))
-        outputs = self._graphs[graph](self.model, self.cache, *inputs)
-        self._direct[graph] = compiled_code(self._graphs[graph])
-        return outputs
+        return self._graphs[graph](self.model, self.cache, *inputs)
 
     @torch.inference_mode()
     def _compile_all(self) -> None:
-        """Each bucket's first call compiles its graph: only padding rows run, which write the cache's
-        scratch slot and block alone, so no sequence's state is touched while the engine steps."""
+        """Compile every bucket's graphs, smallest first, while the engine steps."""
         start = time.perf_counter()
         try:
             with _switch_interval.shortened():
@@ -438,10 +475,20 @@ class CompiledDecode:
             self._finished.set()
 
     def _compile(self, size: int) -> None:
+        """Compile the bucket's graphs on padding rows' inputs, running none of them (_compile_only)."""
         start = time.perf_counter()
-        self._run(("decode", size), *self._padded(size, [], [], [], [], []))
+        graphs = {("decode", size): self._padded(size, [], [], [], [], [])}
         if self.streams:
-            self._run(("draft", size), *self._draft_inputs(size, [], [], [], [], None))
+            graphs["draft", size] = self._draft_inputs(size, [], [], [], [], None)
+        for graph, inputs in graphs.items():
+            _only_compiling.active = True
+            try:
+                self._call(graph, inputs)
+            except _NotRun:
+                pass
+            finally:
+                _only_compiling.active = False
+            self._direct[graph] = compiled_code(self._graphs[graph])
         self._ready.add(size)
         planned = len(self.buckets)
         seconds = time.perf_counter() - start

@@ -11,13 +11,10 @@ benchmarks/engine_v41.py compare every bucket they compile with eager, on both f
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
-
-from engine import LLMEngine
+from engine import LLMEngine, compiled_decode
 from engine.checkpoint.make_model import preset_config, write_checkpoint
 from engine.compiled_decode import DecodeModel
 from engine.config import CSA, HCA, SLIDING
@@ -74,12 +71,12 @@ def compiled_engine(model: DecodeModel, **options) -> LLMEngine:
 
 
 @contextlib.contextmanager
-def compiling_through(backend: str) -> Iterator[None]:
-    """torch.compile with this backend for the graphs made meanwhile (CompiledDecode makes its
-    graphs as the engine is built, and compiles them later)."""
-    compile_with_default = torch.compile
-    torch.compile = functools.partial(compile_with_default, backend=backend)
+def compiling_through(backend: str | Callable) -> Iterator[None]:
+    """Decode graphs compiled with this backend, for the engines made meanwhile (CompiledDecode makes
+    its graphs as the engine is built, and compiles them later)."""
+    with_default = compiled_decode.BACKEND
+    compiled_decode.BACKEND = backend
     try:
         yield
     finally:
-        torch.compile = compile_with_default
+        compiled_decode.BACKEND = with_default
