@@ -5,8 +5,7 @@ The checkpoint (`--method mtp`) is the `tiny-vocab` config (benchmarks/engine_vs
 in the published layout, with its MTP module trained on the model's own greedy outputs
 (`deepmesh make-model --train-drafter`, engine/checkpoint/train_drafter.py): random draft
 weights would accept almost nothing. With `--method dspark` it is `tiny-v41-dspark` with the
-same 4,096-token vocabulary, its DSpark stages trained so (engine/checkpoint/train_dspark.py);
-V4.1's verify steps and DSpark's blocks have no graphs, so its engines all run eager.
+same 4,096-token vocabulary, its DSpark stages trained so (engine/checkpoint/train_dspark.py).
 
 Equal random prompts, greedy; decode tokens/s at each batch size with speculation off
 (eager, and compiled unless --no-compile) and on for each number of drafted tokens (its verify
@@ -101,7 +100,6 @@ def main() -> None:
     model = args.model or ROOT / ".cache/models" / ("tiny-vocab-v41-dspark" if dspark else "tiny-vocab-mtp")
     if not (model / "config.json").is_file():
         make_trained(model, args.method, args.train_steps)
-    args.no_compile |= dspark
     # no grammar compiler: a V4.1 tokenizer has more tokens than these models' 4,096-token vocabulary
     options = {"max_num_seqs": max(args.batches), "max_num_batched_tokens": 2048, "grammars": None}
     eager = LLMEngine.from_pretrained(model, **options)
@@ -113,7 +111,7 @@ def main() -> None:
         speculation = {"speculative": args.method, "speculative_tokens": k, "speculative_max_batch": max(args.batches)}
         # a verify step's rows are decode rows: room for every drafted row of the largest batch
         speculation["max_num_seqs"] = max(args.batches) * (k + 1)
-        if compiling:  # verify steps and the module's rows through the graphs too
+        if compiling:  # verify steps and the drafter's rows or blocks through the graphs too
             engines[f"{args.method} k={k}, compiled"] = compiled_beside(eager, options | speculation)
         else:
             engines[f"{args.method} k={k}"] = LLMEngine(eager.model, weights=eager.weights, **(options | speculation))

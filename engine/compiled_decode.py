@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from engine.model import DeepseekV4ForCausalLM, StepInput
+from engine.model.dspark import draft_blocks
 from engine.model.v41 import DeepseekV41ForCausalLM
 from engine.state_cache import StateCache
 
@@ -126,6 +127,19 @@ def draft_rows(
     return columns.argmax(dim=0), own
 
 
+def dspark_blocks(
+    model: DeepseekV41ForCausalLM,
+    cache: StateCache,
+    pending: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    floors: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSpark's draft blocks (engine/model/dspark.py's draft_blocks) as a bucket's graph."""
+    return draft_blocks(model, cache, pending, starts, slots, floors, block_size)
+
+
 def _decode_function(size: int, streams: bool = False) -> Callable[..., tuple[torch.Tensor, ...]]:
     """_decode under a code object of its own. Dynamo keeps compiled graphs per code object and
     picks one by checking the call against each graph's guards in turn: one graph per bucket
@@ -138,8 +152,8 @@ def _named(function: Callable, size: int) -> Callable[..., tuple[torch.Tensor, .
     return types.FunctionType(code, function.__globals__, code.co_name)
 
 
-def _shapes(inputs: tuple[torch.Tensor | None, ...]) -> str:
-    return ", ".join(str(tuple(tensor.shape)) for tensor in inputs if tensor is not None)
+def _shapes(inputs: tuple[torch.Tensor | int | None, ...]) -> str:
+    return ", ".join(str(tuple(tensor.shape)) for tensor in inputs if isinstance(tensor, torch.Tensor))
 
 
 BACKEND: str | Callable = "inductor"  # what decode graphs compile with (a torch.compile backend)
@@ -262,16 +276,20 @@ class CompiledDecode:
         max_batch: int,
         on_progress: Callable[[int, int], None] | None = None,
         streams: bool = False,
+        dspark_block: int = 0,
     ):
         """`streams`: the graphs also give the residual streams (DecodeOutput.streams) the MTP drafter
-        reads, and each bucket has a graph of the drafter's rows too (`draft`)."""
-        self.model, self.cache, self.streams = model, cache, streams
+        reads, and each bucket has a graph of the drafter's rows too (`draft`). `dspark_block`: each
+        bucket also has a graph of DSpark's draft blocks of this many rows (`dspark`)."""
+        self.model, self.cache, self.streams, self.dspark_block = model, cache, streams, dspark_block
         self.device = model.lm_head.weight.device
         self.buckets = batch_buckets(max_batch)
         self.min_width = min_width(cache)
         kinds = {"decode": lambda size: _decode_function(size, streams)}
         if streams:
             kinds["draft"] = lambda size: _named(draft_rows, size)
+        if dspark_block:
+            kinds["dspark"] = lambda size: _named(dspark_blocks, size)
         backend = _compile_only(BACKEND)
         self._graphs = {
             (kind, size): torch.compile(function(size), backend=backend, dynamic=False, fullgraph=True)
@@ -297,6 +315,7 @@ class CompiledDecode:
         max_batch: int,
         on_progress: Callable[[int, int], None] | None = None,
         streams: bool = False,
+        dspark_block: int = 0,
     ) -> CompiledDecode | None:
         """A compiled decode step whose graphs compile in the background from now on; None (and one
         log line) where compiling is unavailable."""
@@ -304,7 +323,7 @@ class CompiledDecode:
         if reason is not None:
             log.warning("decode runs eager: torch.compile is unavailable here (%s)", reason)
             return None
-        compiled = cls(model, cache, max_batch, on_progress, streams)
+        compiled = cls(model, cache, max_batch, on_progress, streams, dspark_block)
         compiled.start()
         return compiled
 
@@ -369,6 +388,32 @@ class CompiledDecode:
         drafts, own = self._run(("draft", size), *inputs)
         return drafts[:rows], own[:rows]
 
+    @torch.inference_mode()
+    def dspark(
+        self, pending: list[int], starts: list[int], slots: list[int], floors: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DSpark's blocks through the bucket's graph: each sequence's drafts [S, B] and their
+        confidences [S, B]. Padding sequences draft in the scratch slot."""
+        size, rows = self.bucket(len(pending)), len(pending)
+        drafts, confidence = self._run(("dspark", size), *self._dspark_inputs(size, pending, starts, slots, floors))
+        return drafts[:rows], confidence[:rows]
+
+    def _dspark_inputs(
+        self, size: int, pending: list[int], starts: list[int], slots: list[int], floors: list[int]
+    ) -> tuple[torch.Tensor | int, ...]:
+        pad = size - len(pending)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return (
+            tensor(pending + [0] * pad),
+            tensor(starts + [0] * pad),
+            tensor(slots + [self.cache.scratch_slot] * pad),
+            tensor(floors + [0] * pad),
+            self.dspark_block,
+        )
+
     def _draft_inputs(
         self,
         size: int,
@@ -430,7 +475,7 @@ class CompiledDecode:
         contexts = [[-1] * n] * len(token_ids) if ngram_contexts is None else ngram_contexts
         return (*inputs, tensor([*contexts, *[[-1] * n] * pad]).view(size, n))
 
-    def _run(self, graph: tuple[str, int], *inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def _run(self, graph: tuple[str, int], *inputs: torch.Tensor | int | None) -> tuple[torch.Tensor, ...]:
         # Once a bucket's graph is compiled, nothing Dynamo checks before a call changes: the bucket
         # fixes the batch, the weights and the state tensors are the same objects for the engine's
         # life, and the one size that varies, the block-table width, is a dynamic dimension of the
@@ -449,7 +494,7 @@ class CompiledDecode:
             log.warning("%s graph for batch %d compiled again (%s)", *graph, _shapes(inputs))
         return self._call(graph, inputs)
 
-    def _call(self, graph: tuple[str, int], inputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+    def _call(self, graph: tuple[str, int], inputs: tuple[torch.Tensor | int | None, ...]) -> tuple[torch.Tensor, ...]:
         """Call the graph through Dynamo, which compiles it first where no compiled graph's guards pass."""
         if graph[0] == "decode":
             torch._dynamo.maybe_mark_dynamic(inputs[3], 1)  # the block-table width
@@ -480,6 +525,8 @@ class CompiledDecode:
         graphs = {("decode", size): self._padded(size, [], [], [], [], [])}
         if self.streams:
             graphs["draft", size] = self._draft_inputs(size, [], [], [], [], None)
+        if self.dspark_block:
+            graphs["dspark", size] = self._dspark_inputs(size, [], [], [], [])
         for graph, inputs in graphs.items():
             _only_compiling.active = True
             try:

@@ -123,7 +123,7 @@ class DSparkDrafter:
         self.model, self.cache, self.block_size = model, cache, block_size
         self.min_confidence = min_confidence
         self.device = model.lm_head.weight.device
-        self.compiled: CompiledDecode | None = None  # drafts run eager
+        self.compiled: CompiledDecode | None = None  # the blocks' graphs, where a bucket's is ready
 
     def keep_up(self, seqs: list[Sequence], starts: list[int]) -> None:
         """After a step that computed seqs[i]'s positions starts[i].. and stored their main keys:
@@ -146,18 +146,17 @@ class DSparkDrafter:
         if not drafting:
             return
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        drafts, confidence = draft_blocks(
-            self.model,
-            self.cache,
-            tensor([seq.tokens_between(seq.num_computed, seq.num_tokens)[0] for seq, _ in drafting]),
-            tensor([seq.num_computed for seq, _ in drafting]),
-            tensor([seq.slot for seq, _ in drafting]),
-            tensor([seq.draft_floor for seq, _ in drafting]),
-            self.block_size,
+        inputs = (
+            [seq.tokens_between(seq.num_computed, seq.num_tokens)[0] for seq, _ in drafting],
+            [seq.num_computed for seq, _ in drafting],
+            [seq.slot for seq, _ in drafting],
+            [seq.draft_floor for seq, _ in drafting],
         )
+        if self.compiled is not None and self.compiled.is_ready(len(drafting)):
+            drafts, confidence = self.compiled.dspark(*inputs)
+        else:
+            tensors = (torch.tensor(values, dtype=torch.long, device=self.device) for values in inputs)
+            drafts, confidence = draft_blocks(self.model, self.cache, *tensors, self.block_size)
         surviving = (confidence.cumprod(dim=1) >= self.min_confidence).int().cumprod(dim=1).sum(dim=1).tolist()
         for (seq, k), row, sure, kept in zip(drafting, drafts.tolist(), confidence.tolist(), surviving, strict=True):
             seq.drafts, seq.draft_confidence = row[: min(k, kept)], sure[: min(k, kept)]

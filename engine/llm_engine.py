@@ -121,6 +121,7 @@ class LLMEngine:
             compile_decode=compile_decode,
             on_compile_progress=on_compile_progress,
             with_streams=method == "mtp",
+            dspark_block=draft_rows if method == "dspark" else 0,
         )
         if self.drafter is not None:
             self.drafter.compiled = self.runner.compiled_decode

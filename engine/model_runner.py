@@ -37,6 +37,7 @@ class ModelRunner:
         compile_decode: bool,
         on_compile_progress: Callable[[int, int], None] | None = None,
         with_streams: bool = False,
+        dspark_block: int = 0,
     ):
         """`compile_decode`: run decode steps as compiled graphs (engine/compiled_decode.py), compiled
         or loaded from the disk cache in the background from here on; a step whose batch's graph is
@@ -56,7 +57,7 @@ class ModelRunner:
         self.with_streams = with_streams  # the V4 drafter's input: rows' residual streams too
         compile_decode = compile_decode and model.compiles_decode
         self.compiled_decode = (
-            CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress, streams=with_streams)
+            CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress, with_streams, dspark_block)
             if compile_decode
             else None
         )
@@ -118,24 +119,28 @@ class ModelRunner:
             for j, token in enumerate(chunk)
         ]
         positions = [position for _, position, _ in rows]
+        contexts = None
+        if n := self.ngram_context:  # each row's window reads the drafts before it
+            contexts = torch.cat(
+                [
+                    ngram_context(seq.tokens_between(max(0, seq.num_computed - n), seq.num_computed), chunk, n)
+                    for seq, chunk in zip(seqs, tokens, strict=True)
+                ]
+            )
         compiled = self.compiled_decode
-        if compiled is not None and compiled.streams and compiled.is_ready(len(rows)):
+        if compiled is not None and compiled.is_ready(len(rows)):
             decoded = compiled(
                 [token for _, _, token in rows],
                 positions,
                 [seq.slot for seq, _, _ in rows],
                 [seq.block_table for seq, _, _ in rows],
+                contexts.tolist() if contexts is not None else None,
             )
             return decoded.hidden, decoded.streams, decoded.logits
         slices = [SeqSlice(seq.slot, position, 1, list(seq.block_table)) for seq, position, _ in rows]
         step = StepInput.of(torch.tensor([token for _, _, token in rows], dtype=torch.long, device=self.device), slices)
-        if n := self.ngram_context:  # each row's window reads the drafts before it
-            step.ngram_context = torch.cat(
-                [
-                    ngram_context(seq.tokens_between(max(0, seq.num_computed - n), seq.num_computed), chunk, n)
-                    for seq, chunk in zip(seqs, tokens, strict=True)
-                ]
-            ).to(self.device)
+        if contexts is not None:
+            step.ngram_context = contexts.to(self.device)
         hidden, streams = self._rows(step)
         return hidden, streams, None
 

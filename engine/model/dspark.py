@@ -150,7 +150,6 @@ def markov_step(
     return corrected, head_stage.confidence_head(hidden, markov, CONFIDENCE_TEMPERATURE)
 
 
-@torch.inference_mode()
 def draft_blocks(
     model: nn.Module,
     cache: StateCache,
@@ -163,7 +162,8 @@ def draft_blocks(
     """Draft `size` tokens after each sequence's pending one (arguments as `block_rows`'): the most
     likely token of each row with the Markov bias from the draft before it (greedy drafts: the
     verify step's rule needs no draft distribution for them), and each draft's confidence.
-    -> ([S, B] ids, [S, B] fp32)."""
+    -> ([S, B] ids, [S, B] fp32). Every shape is S's and B's: it is also a compiled graph per
+    bucket of S (engine/compiled_decode.py)."""
     logits, hidden = block_rows(model, cache, pending, starts, slots, floors, size)
     drafts, confidence = [], []
     previous = pending

@@ -11,6 +11,7 @@ benchmarks/engine_v41.py compare every bucket they compile with eager, on both f
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -39,24 +40,36 @@ def write_one_layer_model(directory: Path) -> Path:
     return write_checkpoint(directory, config, seed=1)
 
 
-def write_four_layer_v41_model(directory: Path) -> Path:
+def write_four_layer_v41_model(directory: Path, dspark: bool = False) -> Path:
     """The tiny DeepSeek-V4.1 preset in four layers instead of six: a window-only layer with
     Engram, a ratio-2 layer, the YOCO boundary (ratio 1: a KV source choosing candidate blocks)
-    and a consumer layer that shares its KV and searches its candidate blocks."""
+    and a consumer layer that shares its KV and searches its candidate blocks. `dspark`: with
+    DSpark's stages, two, reading layers 1 and 3 (one each side of the boundary)."""
     from engine.checkpoint.make_model_v41 import PRESETS_V41, write_checkpoint_v41
 
-    text = PRESETS_V41["tiny-v41"] | dict(
-        num_hidden_layers=4,
-        compress_ratios=[0, 2, 1, 1],
-        kv_source_layer_ids=[1, 2],
-        index_source_layer_ids=[1, 2, 3],
-        candidate_source_layer_id=2,
-        engram_layer_ids=[0],
+    preset = "tiny-v41-dspark" if dspark else "tiny-v41"
+    stages = dict(num_nextn_predict_layers=2, dspark_target_layer_ids=[1, 3]) if dspark else {}
+    text = (
+        PRESETS_V41[preset]
+        | stages
+        | dict(
+            num_hidden_layers=4,
+            compress_ratios=[0, 2, 1, 1],
+            kv_source_layer_ids=[1, 2],
+            index_source_layer_ids=[1, 2, 3],
+            candidate_source_layer_id=2,
+            engram_layer_ids=[0],
+        )
     )
     return write_checkpoint_v41(directory, text, seed=1)
 
 
 MODELS = {"deepseek_v4": write_three_layer_model, "deepseek_v41": write_four_layer_v41_model}
+# each family's model with its drafter (V4's MTP module, V4.1's DSpark stages), and that drafter
+DRAFTING_MODELS = {
+    "deepseek_v4": (functools.partial(write_three_layer_model, layout="deepseek"), "mtp"),
+    "deepseek_v41": (functools.partial(write_four_layer_v41_model, dspark=True), "dspark"),
+}
 TRACED = "aot_eager"  # the backend of the module's graphs (above)
 
 

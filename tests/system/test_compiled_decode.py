@@ -25,6 +25,7 @@ from torch._dynamo.backends.registry import lookup_backend
 
 from engine import LLMEngine, SamplingParams, StateSnapshot
 from tests.support.compiled_models import (
+    DRAFTING_MODELS,
     MODELS,
     SLOTS,
     TRACED,
@@ -251,26 +252,51 @@ def test_handed_over_and_prefix_imported_requests_continue_exactly(tiny_model, c
 
 
 def test_speculative_steps_through_the_graphs_give_the_eager_tokens(family, tmp_path_factory, prompts):
-    """Verify steps run as rows of a decode step, through the graph of their row count, and the MTP
-    module's rows through its draft graphs: greedy tokens as eager without speculation, whether
-    the drafts are the module's (random weights: nearly all rejected) or the right tokens."""
-    if family == "deepseek_v41":
-        pytest.skip("DeepSeek-V4.1's verify steps and DSpark's drafts have no graphs yet: they run eager")
-    checkpoint = MODELS[family](tmp_path_factory.mktemp("mtp") / "model", layout="deepseek")
-    model = LLMEngine.from_pretrained(checkpoint).model
+    """Verify steps run as rows of a decode step, through the graph of their row count; the MTP
+    module's rows through its draft graphs, DSpark's blocks through theirs (one per bucket of
+    sequences): greedy tokens as eager without speculation, whether the drafts are the drafter's
+    (random weights: nearly all rejected) or the right tokens. DSpark's blocks read the main keys
+    the verify graphs stored: a graph that stored none, or stored them elsewhere, drafts other
+    tokens than eager's (compared draft for draft, with their confidences)."""
+    write, method = DRAFTING_MODELS[family]
+    model = LLMEngine.from_pretrained(write(tmp_path_factory.mktemp(method) / "model")).model
     batch = prompts[1:3]
     eager = LLMEngine(model, max_num_seqs=SLOTS).generate(batch, greedy(24))
-    with compiling_through(TRACED):  # buckets 1 and 2: one sequence's verify step with one draft is 2 rows
-        engine = LLMEngine(model, max_num_seqs=2, compile_decode=True, speculative="mtp", speculative_tokens=1)
+    # buckets 1 and 2: one sequence's verify step with one draft is 2 rows
+    options = dict(max_num_seqs=2, speculative=method, speculative_tokens=1)
+    with compiling_through(TRACED):
+        engine = LLMEngine(model, compile_decode=True, **options)
     assert engine.wait_compiled(), engine.compiled_decode.failure
+    drafted = _recording_drafts(engine)
     outputs = [engine.generate([prompt], greedy(24))[0] for prompt in batch]
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
     assert engine.compiled_decode.steps > 0 and all_state_free(engine)
+    if method == "dspark":  # every block's drafts and confidences, against an eager engine's
+        eager_drafts = _recording_drafts(eager_engine := LLMEngine(model, **options))
+        for prompt in batch:
+            eager_engine.generate([prompt], greedy(24))
+        assert len(drafted) == len(eager_drafts) > 20
+        assert [drafts for drafts, _ in drafted] == [drafts for drafts, _ in eager_drafts]
+        for (_, sure), (_, eager_sure) in zip(drafted, eager_drafts, strict=True):
+            assert sure == pytest.approx(eager_sure, abs=1e-5)
 
     engine.drafter = ScriptedDrafter({len(batch[1]): eager[1].token_ids})  # right and wrong in turn
     before = engine.compiled_decode.steps
     [output] = engine.generate([batch[1]], greedy(24))
     assert output.token_ids == eager[1].token_ids and engine.compiled_decode.steps > before
+
+
+def _recording_drafts(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
+    """Every sequence's drafts the engine's drafter proposes from now on, and their confidences."""
+    blocks: list[tuple[list[int], list[float]]] = []
+    advance = engine.drafter.advance
+
+    def recorded(seqs: list, streams: object, starts: list[int], wanted: list[int]) -> None:
+        advance(seqs, streams, starts, wanted)
+        blocks.extend((list(seq.drafts), list(seq.draft_confidence)) for seq in seqs if seq.drafts)
+
+    engine.drafter.advance = recorded
+    return blocks
 
 
 def test_inductors_graph_gives_the_eager_tokens_and_logprobs(family, tmp_path_factory, prompts):
