@@ -37,7 +37,7 @@ STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
 
 
 SYSTEM_TIER = Path(__file__).resolve().parent / "system"
-LONGEST_MODULE = SYSTEM_TIER / "test_compiled_decode.py"
+LONGEST_MODULES = [SYSTEM_TIER / "test_compiled_decode.py", SYSTEM_TIER / "test_compiled_decode_inductor.py"]
 BROKER_NAMES = pytest.StashKey[BrokerNames]()
 
 
@@ -50,8 +50,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SYSTEM_TIER in item.path.parents and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.alone)
-    # the longest module first: on workers, started last it would run alone at the end
-    items.sort(key=lambda item: item.path != LONGEST_MODULE)
+    # the longest modules first: on workers, started last they would run alone at the end
+    order = {path: i for i, path in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: order.get(item.path, len(order)))
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
 
