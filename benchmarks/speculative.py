@@ -9,7 +9,8 @@ same 4,096-token vocabulary, its DSpark stages trained so (engine/checkpoint/tra
 
 Equal random prompts, greedy; decode tokens/s at each batch size with speculation off
 (eager, and compiled unless --no-compile) and on for each number of drafted tokens (its verify
-steps and drafts through compiled graphs too, unless --no-compile), the ratio against eager-off
+steps and drafts through compiled graphs too, unless --no-compile) and as served (`auto`: on
+while the drafts pay, never above 4 sequences a step), the ratio against eager-off
 measured in the same run, whether the tokens are the same, the share of drafts
 accepted, the mean tokens a verify step adds (accepted drafts + 1) and what a speculating step
 costs against a plain one (those tokens over the speed-up: the drafter's runs and the verify rows).
@@ -107,6 +108,12 @@ def main() -> None:
     compiling = not args.no_compile and (compiled := compiled_beside(eager, options)) is not None
     if compiling:
         engines["off, compiled"] = compiled
+    # as served: `auto` speculates while the drafts pay (k=3), never above 4 sequences a step
+    auto = {"speculative": "auto"}
+    if compiling:
+        engines[f"{args.method} auto, compiled"] = compiled_beside(eager, options | auto)
+    else:
+        engines[f"{args.method} auto"] = LLMEngine(eager.model, weights=eager.weights, **(options | auto))
     for k in args.drafts:
         speculation = {"speculative": args.method, "speculative_tokens": k, "speculative_max_batch": max(args.batches)}
         # a verify step's rows are decode rows: room for every drafted row of the largest batch
@@ -122,7 +129,7 @@ def main() -> None:
         run(engine, warm, 8)
 
     results = []
-    columns = ("batch", 5), ("engine", 14), ("decode tok/s", 12), ("vs off", 6), ("same", 4), ("accepted", 8)
+    columns = ("batch", 5), ("engine", 22), ("decode tok/s", 12), ("vs off", 6), ("same", 4), ("accepted", 8)
     columns += ("tokens/verify", 13), ("step cost", 9)
     header = " | ".join(f"{name:>{width}}" for name, width in columns)
     print(f"\n{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy\n{header}\n{'-' * len(header)}")
@@ -148,7 +155,7 @@ def main() -> None:
                 base = statistics.median(speeds["off"])
             shown = f"{speed / base:.2f}x", "yes" if same else "NO", share, per_verify, cost
             cells = " | ".join(f"{value:>{width}}" for value, width in zip(shown, (6, 4, 8, 13, 9), strict=True))
-            print(f"{batch:>5} | {name:>14} | {speed:>12.1f} | {cells}")
+            print(f"{batch:>5} | {name:>22} | {speed:>12.1f} | {cells}")
             results.append(
                 {
                     "batch": batch,
