@@ -56,7 +56,7 @@ BEHIND_LOG := .cache/test-in-process.log
 test: lint $(REFERENCE)
 	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 DEEPMESH_REQUIRE_REFERENCE=1 && \
 	{ env -u DEEPMESH_KAFKA_BOOTSTRAP scripts/lowest-priority \
-		$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder -m in_process --durations=10 >$(BEHIND_LOG) 2>&1 & } && \
+		$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m in_process --durations=10 >$(BEHIND_LOG) 2>&1 & } && \
 	{ behind_pid=$$!; trap 'kill -- -$$behind_pid 2>/dev/null' INT TERM; \
 	  $(BIN)/pytest -n 2 --dist loadfile -m "not alone and not in_process" --durations=15 && \
 	  $(BIN)/pytest -m alone --durations=15; front=$$?; wait $$behind_pid; behind=$$?; \

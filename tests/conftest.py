@@ -36,8 +36,7 @@ THIS_RUN = mark_this_run()
 STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
 
 
-TESTS = Path(__file__).resolve().parent
-SYSTEM_TIER = TESTS / "system"
+SYSTEM_TIER = Path(__file__).resolve().parent / "system"
 LONGEST_MODULES = [SYSTEM_TIER / "test_compiled_decode.py", SYSTEM_TIER / "test_compiled_decode_inductor.py"]
 BROKER_NAMES = pytest.StashKey[BrokerNames]()
 
@@ -51,18 +50,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SYSTEM_TIER in item.path.parents and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.alone)
-    # the longest modules first: on workers, started last they would run alone at the end
+    # the longest modules first: on workers, started last they would run alone at the end (the
+    # Makefile's --no-loadscope-reorder keeps this order; xdist's own is by number of tests)
     order = {path: i for i, path in enumerate(LONGEST_MODULES)}
     items.sort(key=lambda item: order.get(item.path, len(order)))
-    # The lane behind runs `--dist loadgroup --no-loadscope-reorder` (the Makefile): a module's
-    # tests on one worker, as --dist loadfile keeps them, in the order above, but the longest
-    # module a group per family, so that both workers start on it. (xdist's default reorders the
-    # modules by their number of tests, which started the longest one late.)
-    for item in items:
-        group = str(item.path.relative_to(TESTS.parent))
-        if item.path == LONGEST_MODULES[0] and (call := getattr(item, "callspec", None)):
-            group += f"[{call.params['family']}]"
-        item.add_marker(pytest.mark.xdist_group(group))
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
 
