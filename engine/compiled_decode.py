@@ -127,19 +127,6 @@ def draft_rows(
     return columns.argmax(dim=0), own
 
 
-def dspark_blocks(
-    model: DeepseekV41ForCausalLM,
-    cache: StateCache,
-    pending: torch.Tensor,
-    starts: torch.Tensor,
-    slots: torch.Tensor,
-    floors: torch.Tensor,
-    block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DSpark's draft blocks (engine/model/dspark.py's draft_blocks) as a bucket's graph."""
-    return draft_blocks(model, cache, pending, starts, slots, floors, block_size)
-
-
 def _decode_function(size: int, streams: bool = False) -> Callable[..., tuple[torch.Tensor, ...]]:
     """_decode under a code object of its own. Dynamo keeps compiled graphs per code object and
     picks one by checking the call against each graph's guards in turn: one graph per bucket
@@ -289,7 +276,7 @@ class CompiledDecode:
         if streams:
             kinds["draft"] = lambda size: _named(draft_rows, size)
         if dspark_block:
-            kinds["dspark"] = lambda size: _named(dspark_blocks, size)
+            kinds["dspark"] = lambda size: _named(draft_blocks, size)
         backend = _compile_only(BACKEND)
         self._graphs = {
             (kind, size): torch.compile(function(size), backend=backend, dynamic=False, fullgraph=True)
@@ -398,19 +385,19 @@ class CompiledDecode:
         drafts, confidence = self._run(("dspark", size), *self._dspark_inputs(size, pending, starts, slots, floors))
         return drafts[:rows], confidence[:rows]
 
+    def _longs(self, values: list) -> torch.Tensor:
+        """A graph input of ids (tokens, positions, slots, blocks) on the model's device."""
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
     def _dspark_inputs(
         self, size: int, pending: list[int], starts: list[int], slots: list[int], floors: list[int]
     ) -> tuple[torch.Tensor | int, ...]:
         pad = size - len(pending)
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
         return (
-            tensor(pending + [0] * pad),
-            tensor(starts + [0] * pad),
-            tensor(slots + [self.cache.scratch_slot] * pad),
-            tensor(floors + [0] * pad),
+            self._longs(pending + [0] * pad),
+            self._longs(starts + [0] * pad),
+            self._longs(slots + [self.cache.scratch_slot] * pad),
+            self._longs(floors + [0] * pad),
             self.dspark_block,
         )
 
@@ -425,9 +412,6 @@ class CompiledDecode:
     ) -> tuple[torch.Tensor, ...]:
         pad = size - len(token_ids)
 
-        def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
         config = self.model.config
         padded_streams = torch.zeros(
             size, config.hc_mult, config.hidden_size, dtype=self.model.lm_head.weight.dtype, device=self.device
@@ -435,10 +419,10 @@ class CompiledDecode:
         if streams is not None:
             padded_streams[: len(token_ids)] = streams
         return (
-            tensor(token_ids + [0] * pad),
-            tensor(positions + [0] * pad),
-            tensor(slots + [self.cache.scratch_slot] * pad),
-            tensor(floors + [0] * pad),
+            self._longs(token_ids + [0] * pad),
+            self._longs(positions + [0] * pad),
+            self._longs(slots + [self.cache.scratch_slot] * pad),
+            self._longs(floors + [0] * pad),
             padded_streams,
         )
 
@@ -459,21 +443,18 @@ class CompiledDecode:
         tables = [table + [scratch] * (width - len(table)) for table in block_tables]
         tables += [[scratch] * width] * pad
 
-        def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
         inputs = (
-            tensor(token_ids + [0] * pad),
-            tensor(positions + [0] * pad),
-            tensor(slots + [self.cache.scratch_slot] * pad),
-            tensor(tables),
+            self._longs(token_ids + [0] * pad),
+            self._longs(positions + [0] * pad),
+            self._longs(slots + [self.cache.scratch_slot] * pad),
+            self._longs(tables),
         )
         n = getattr(self.model, "ngram_context", 0)
         if not n:
             return (*inputs, None)
         # a padding row's token is at position 0: nothing before it (-1)
         contexts = [[-1] * n] * len(token_ids) if ngram_contexts is None else ngram_contexts
-        return (*inputs, tensor([*contexts, *[[-1] * n] * pad]).view(size, n))
+        return (*inputs, self._longs([*contexts, *[[-1] * n] * pad]).view(size, n))
 
     def _run(self, graph: tuple[str, int], *inputs: torch.Tensor | int | None) -> tuple[torch.Tensor, ...]:
         # Once a bucket's graph is compiled, nothing Dynamo checks before a call changes: the bucket
