@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from common.images import IMAGE_ID_BASE
 from engine.checkpoint import load_model, weights_id
 from engine.compiled_decode import CompiledDecode
 from engine.config import ModelConfig
@@ -31,7 +32,15 @@ from engine.model_runner import ModelRunner
 from engine.resident_prefixes import ResidentPrefixes
 from engine.sampler import Sampler, target_probabilities, top_logprobs
 from engine.scheduler import Scheduler
-from engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
+from engine.sequence import (
+    CompletionOutput,
+    ImageSpan,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    TokenLogprobs,
+)
 from engine.speculation import SPECULATIVE_MODES, SpeculationSwitch, verify_greedy, verify_sampled
 from engine.state_cache import StateCache
 from engine.state_transfer import SnapshotError, StateSnapshot
@@ -203,12 +212,16 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         sampling_params: SamplingParams,
         snapshot_at: SequenceOf[int] = (),
+        images: SequenceOf[ImageSpan] = (),
     ) -> None:
         """Queue a request. `snapshot_at`: prompt positions after which a step's output carries
-        a copy of the state (RequestOutput.prefix_state), for a prefix cache to store."""
-        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
+        a copy of the state (RequestOutput.prefix_state), for a prefix cache to store. `images`:
+        the encoder's rows of each image span of the prompt (common/images.py), which every way
+        in takes alike: a prompt's image positions always come with their rows."""
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params, images=images)
         seed = self._request_seed(sampling_params)
-        self.scheduler.add(self._new_sequence(request_id, prompt, sampling_params, seed, snapshot_at=snapshot_at))
+        seq = self._new_sequence(request_id, prompt, sampling_params, seed, snapshot_at=snapshot_at, images=images)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -235,6 +248,7 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         sampling_params: SamplingParams,
         snapshot_at: SequenceOf[int] = (),
+        images: SequenceOf[ImageSpan] = (),
     ) -> int:
         """Start a request from the longest prefix of its prompt whose state this engine still
         holds in its own memory, in the request's namespace (its params' prefix_namespace): its
@@ -242,11 +256,11 @@ class LLMEngine:
         tokens served from it; 0 (and nothing added) when none is held or there is no room now.
 
         The outcome is add_request's, as with import_prefix: the state is that of these tokens."""
-        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params, images=images)
         entry = self.kv.resident_prefix(sampling_params.prefix_namespace, prompt, self.reusable_prefix(len(prompt)))
         if entry is None:
             return 0
-        seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, entry.num_tokens)
+        seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, entry.num_tokens, images)
         self.kv.take_resident(seq, entry)
         self.scheduler.add_running(seq)
         return entry.num_tokens
@@ -259,7 +273,13 @@ class LLMEngine:
         nothing running is displaced. False when it is not a prefix state or there is no room."""
         return self.kv.keep_resident(namespace, snapshot)
 
-    def import_state(self, request_id: str, snapshot: StateSnapshot, sampling_params: SamplingParams) -> bool:
+    def import_state(
+        self,
+        request_id: str,
+        snapshot: StateSnapshot,
+        sampling_params: SamplingParams,
+        images: SequenceOf[ImageSpan] = (),
+    ) -> bool:
         """Continue a request from another engine's snapshot; the next step decodes it.
 
         Returns True if the state was loaded, False if there was no room for it now and the
@@ -269,7 +289,7 @@ class LLMEngine:
         """
         self.kv.check_snapshot(snapshot)
         prompt, outputs = snapshot.token_ids[: snapshot.prompt_len], snapshot.token_ids[snapshot.prompt_len :]
-        seq = self._resumed_sequence(request_id, prompt, outputs, sampling_params, snapshot.seed)
+        seq = self._resumed_sequence(request_id, prompt, outputs, sampling_params, snapshot.seed, images)
         return self._load(seq, snapshot)
 
     def import_prefix(
@@ -279,6 +299,7 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         sampling_params: SamplingParams,
         snapshot_at: SequenceOf[int] = (),
+        images: SequenceOf[ImageSpan] = (),
     ) -> bool:
         """Start a request whose prompt begins with the tokens a snapshot's state was computed from:
         load that state and prefill only the rest of the prompt.
@@ -290,7 +311,7 @@ class LLMEngine:
         when there was no room and the whole prompt was queued for prefill instead.
         """
         self.kv.check_snapshot(snapshot)
-        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params)
+        prompt, _ = self._checked_request(request_id, prompt_token_ids, sampling_params, images=images)
         cached = snapshot.num_computed
         if cached > self.reusable_prefix(len(prompt)):
             raise SnapshotError(
@@ -301,7 +322,7 @@ class LLMEngine:
             raise SnapshotError(f"a {cached}-token prefix leaves nothing to compute of a {len(prompt)}-token prompt")
         if list(snapshot.token_ids[:cached]) != prompt[:cached]:
             raise SnapshotError("the snapshot's tokens are not a prefix of the prompt")
-        seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, cached)
+        seq = self._add_started(request_id, prompt, sampling_params, snapshot_at, cached, images)
         return self._load(seq, snapshot)
 
     def _add_started(
@@ -311,12 +332,13 @@ class LLMEngine:
         sampling_params: SamplingParams,
         snapshot_at: SequenceOf[int],
         cached: int,
+        images: SequenceOf[ImageSpan] = (),
     ) -> Sequence:
         """A checked, registered request whose first `cached` tokens' state the caller gives it:
         not queued, and its snapshots only past them."""
         seed = self._request_seed(sampling_params)
         return self._new_sequence(
-            request_id, prompt, sampling_params, seed, snapshot_at=[p for p in snapshot_at if p > cached]
+            request_id, prompt, sampling_params, seed, snapshot_at=[p for p in snapshot_at if p > cached], images=images
         )
 
     def _load(self, seq: Sequence, snapshot: StateSnapshot) -> bool:
@@ -334,13 +356,14 @@ class LLMEngine:
         output_token_ids: SequenceOf[int],
         sampling_params: SamplingParams,
         seed: int,
+        images: SequenceOf[ImageSpan] = (),
     ) -> None:
         """Continue a request whose state is not at hand, by recomputing it from its tokens.
 
         Gives the same tokens as if it had never stopped: the state is a function of the
         tokens, and sampling draws from (seed, position).
         """
-        seq = self._resumed_sequence(request_id, prompt_token_ids, output_token_ids, sampling_params, seed)
+        seq = self._resumed_sequence(request_id, prompt_token_ids, output_token_ids, sampling_params, seed, images)
         self.scheduler.add(seq)
 
     def _resumed_sequence(
@@ -350,10 +373,13 @@ class LLMEngine:
         output_token_ids: SequenceOf[int],
         sampling_params: SamplingParams,
         seed: int,
+        images: SequenceOf[ImageSpan] = (),
     ) -> Sequence:
         """A checked, registered sequence that already has some output tokens."""
-        prompt, outputs = self._checked_request(request_id, prompt_token_ids, sampling_params, output_token_ids)
-        return self._new_sequence(request_id, prompt, sampling_params, seed, outputs=outputs)
+        prompt, outputs = self._checked_request(
+            request_id, prompt_token_ids, sampling_params, output_token_ids, images=images
+        )
+        return self._new_sequence(request_id, prompt, sampling_params, seed, outputs=outputs, images=images)
 
     def _new_sequence(
         self,
@@ -364,12 +390,14 @@ class LLMEngine:
         *,
         outputs: list[int] | None = None,
         snapshot_at: SequenceOf[int] = (),
+        images: SequenceOf[ImageSpan] = (),
     ) -> Sequence:
         """A registered sequence of a request `_checked_request` passed, with no state yet, not queued."""
         seq = Sequence(request_id, prompt, sampling_params, seed=seed, arrival=next(self._arrivals))
         seq.output_token_ids = outputs if outputs is not None else []
         seq.matcher = self._matcher(sampling_params, seq.output_token_ids)
         seq.snapshot_at = _snapshot_positions(snapshot_at, len(prompt))
+        seq.images = sorted(images, key=lambda image: image.start)
         self._register(seq)
         return seq
 
@@ -609,6 +637,7 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         sampling_params: SamplingParams,
         output_token_ids: SequenceOf[int] = (),
+        images: SequenceOf[ImageSpan] = (),
     ) -> tuple[list[int], list[int]]:
         """A new request's prompt and output so far, as lists, once it passes what every way in
         (add_request, resume, the imports) checks: an id not in use, tokens of the vocabulary,
@@ -616,7 +645,7 @@ class LLMEngine:
         this engine's state."""
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt = self._validate_tokens(prompt_token_ids)
+        prompt = self._validate_tokens(prompt_token_ids, images)
         outputs = self._validate_tokens(output_token_ids) if output_token_ids else []
         if len(outputs) >= sampling_params.max_tokens:
             raise InvalidRequestError(f"request {request_id!r} already has {len(outputs)} of its max_tokens")
@@ -639,15 +668,51 @@ class LLMEngine:
             raise InvalidRequestError(f"{len(tokens)} tokens exceed the model's context of {self.max_model_len}")
         return tokens
 
-    def _validate_tokens(self, token_ids: SequenceOf[int]) -> list[int]:
+    def _validate_tokens(self, token_ids: SequenceOf[int], images: SequenceOf[ImageSpan] = ()) -> list[int]:
+        """The tokens as a list: ids of the vocabulary, and image ids exactly where `images` has rows."""
         tokens = list(token_ids)
         if not tokens:
             raise InvalidRequestError("the prompt is empty")
+        in_image = self._image_positions(tokens, images)
         vocab = self.config.vocab_size
-        bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [
+            t
+            for i, t in enumerate(tokens)
+            if not isinstance(t, int)
+            or isinstance(t, bool)
+            or not (0 <= t < vocab or (i in in_image and t >= IMAGE_ID_BASE))
+        ]
         if bad:
             raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return tokens
+
+    def _image_positions(self, tokens: list[int], images: SequenceOf[ImageSpan]) -> set[int]:
+        """The prompt positions `images` covers, once they are checked: inside the prompt, apart,
+        rows of the model's width, every covered position an image id and every image id covered."""
+        covered: set[int] = set()
+        for image in images:
+            if not self.accepts_images:
+                raise InvalidRequestError("this model does not read images")
+            span = range(image.start, image.end)
+            if image.start < 0 or image.end > len(tokens) or covered.intersection(span):
+                raise InvalidRequestError(
+                    f"an image span [{image.start}, {image.end}) overlaps another or the prompt's end"
+                )
+            if image.rows.dim() != 2 or image.rows.shape[1] != self.config.hidden_size:
+                raise InvalidRequestError(
+                    f"an image's rows are {tuple(image.rows.shape)}, not [n, {self.config.hidden_size}]"
+                )
+            covered.update(span)
+        marked = {i for i, t in enumerate(tokens) if isinstance(t, int) and t >= IMAGE_ID_BASE}
+        if marked != covered:
+            missing, misplaced = len(marked - covered), len(covered - marked)
+            raise InvalidRequestError(f"{missing} image positions without rows, {misplaced} rows at text positions")
+        return covered
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model reads image rows in its prompts (DeepSeek-V4.1)."""
+        return isinstance(self.config, V41Config)
 
     # -- for workers --------------------------------------------------------------------------
     # What a service's worker asks of the engine beyond requests in and outputs out: its load,

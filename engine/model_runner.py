@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from common.images import IMAGE_ID_BASE
 from engine.backends import keep_freed_memory_in_process, select_backend
 from engine.compiled_decode import CompiledDecode, DecodeOutput
 from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput, ngram_context
@@ -74,7 +75,9 @@ class ModelRunner:
             self.keep_tokens < len(seq.prompt_token_ids) and seq.num_computed < len(seq.prompt_token_ids)
             for seq in seqs
         )
-        decode_shaped = all(n == 1 for n in num_tokens) and not in_truncated_prompt
+        # an image's positions read the encoder's rows, which the graph does not take
+        in_image = any(seq.images and seq.num_computed < len(seq.prompt_token_ids) for seq in seqs)
+        decode_shaped = all(n == 1 for n in num_tokens) and not in_truncated_prompt and not in_image
         if compiled is not None and decode_shaped and compiled.is_ready(len(seqs)):
             return self._compiled_step(compiled, seqs)
         tokens = [
@@ -151,7 +154,7 @@ class ModelRunner:
 
     def _eager_step(self, seqs: list[Sequence], tokens: list[list[int]]) -> StepInput:
         """The step computing `tokens[i]` at seqs[i]'s next positions."""
-        slices, token_ids, contexts = [], [], []
+        slices, token_ids, contexts, images = [], [], [], []
         for seq, chunk in zip(seqs, tokens, strict=True):
             keep_from = max(0, len(seq.prompt_token_ids) - self.keep_tokens) if self.keep_tokens else 0
             slices.append(SeqSlice(seq.slot, seq.num_computed, len(chunk), list(seq.block_table), keep_from))
@@ -159,9 +162,17 @@ class ModelRunner:
             if self.ngram_context:
                 before = seq.tokens_between(max(0, seq.num_computed - self.ngram_context), seq.num_computed)
                 contexts.append(ngram_context(before, chunk, self.ngram_context))
+            if (
+                seq.images
+                and (rows := seq.image_rows_between(seq.num_computed, seq.num_computed + len(chunk))) is not None
+            ):
+                images.append(rows)
         step = StepInput.of(torch.tensor(token_ids, dtype=torch.long, device=self.device), slices)
         if contexts:
             step.ngram_context = torch.cat(contexts).to(self.device)
+        if images:
+            step.image_rows = step.input_ids >= IMAGE_ID_BASE
+            step.image_embeds = torch.cat(images).to(self.device)
         return step
 
     def _compiled_step(self, compiled: CompiledDecode, seqs: list[Sequence]) -> tuple[torch.Tensor, DecodeOutput]:

@@ -6,11 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    import torch
-
     from engine.state_transfer import StateSnapshot
 
 # A token's logprob and the most likely tokens at its position, (token id, logprob) each. The
@@ -75,6 +75,18 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image's span of a prompt: positions start .. start + len(rows) - 1 read `rows` [n, hidden]."""
+
+    start: int
+    rows: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.shape[0]
+
+
 @dataclass(eq=False)  # a sequence is itself: `seq in running` compares identities, not every field
 class Sequence:
     request_id: str
@@ -106,6 +118,8 @@ class Sequence:
     draft_streams: torch.Tensor | None = None
     # DSpark's estimate of each draft's probability of being accepted (its confidence head)
     draft_confidence: list[float] = field(default_factory=list)
+    # the prompt's images (DeepSeek-V4.1): each span's first position and the encoder's rows for it
+    images: list[ImageSpan] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -117,6 +131,15 @@ class Sequence:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.token_ids[start:end]
+
+    def image_rows_between(self, start: int, end: int) -> torch.Tensor | None:
+        """The encoder's rows of the image positions in [start, end), in order; None if there are none."""
+        parts = [
+            image.rows[max(start, image.start) - image.start : min(end, image.end) - image.start]
+            for image in self.images
+            if image.start < end and start < image.end
+        ]
+        return torch.cat(parts) if parts else None
 
     @property
     def num_tokens(self) -> int:

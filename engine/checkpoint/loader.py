@@ -31,6 +31,7 @@ from engine.checkpoint.safetensors_files import CheckpointFiles, StoredTensor, c
 from engine.checkpoint.weight_names import (
     EXPERT_PARAMS,
     EXPERT_PARTS,
+    VISION_TENSORS,
     Target,
     canonical_name,
     canonical_name_v41,
@@ -119,6 +120,8 @@ def plan_weights(files: CheckpointFiles, config: AnyConfig) -> WeightPlan:
         tensor = files.tensors[name]
         if target is not None and target.name in expected:
             pieces[target.name].append(Piece(tensor, scales.get(name), target))
+        elif name.removeprefix("model.").startswith(VISION_TENSORS):
+            continue  # the image encoder's (engine/checkpoint/vision.py)
         elif target is None or target.name.startswith("mtp."):
             unused.append(name)  # named in a warning: nothing the model computes depends on it
         else:

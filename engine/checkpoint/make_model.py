@@ -101,7 +101,7 @@ def random_state_dict(config: ModelConfig, seed: int, mtp_modules: int = 0) -> d
 def random_values(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """A parameter's random values, by the kind its name says (either family's names): norm weights
     near 1, hyper-connection scales in [0.5, 1.5), biases and sinks of spread 0.5, weights small."""
-    if name.endswith(("norm.weight", "layernorm.weight", "q_weight", "k_weight")):
+    if name.endswith(("norm.weight", "layernorm.weight", "q_weight", "k_weight", "norm1.weight", "norm2.weight")):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(("hc.scale", "hc_scale", "_scale")):
         return 0.5 + torch.rand(shape, generator=gen)
@@ -266,7 +266,8 @@ def make_model(outdir: str | Path, preset: str = "tiny", seed: int = 0, **layout
     """A preset as a checkpoint; `layout` takes write_checkpoint's layout, quant, scale_fmt and shards
     (a DeepSeek-V4.1 preset, `*-v41*`, takes quant only: its names and scales are the published ones)."""
     if "-v41" in preset:
-        from engine.checkpoint.make_model_v41 import PRESETS_V41, write_checkpoint_v41
+        from engine.checkpoint.make_model_v41 import PRESETS_V41, VISION_PRESETS, write_checkpoint_v41
 
-        return write_checkpoint_v41(outdir, PRESETS_V41[preset], seed, quant=layout.get("quant", "none"))
+        vision = VISION_PRESETS.get(preset)
+        return write_checkpoint_v41(outdir, PRESETS_V41[preset], seed, quant=layout.get("quant", "none"), vision=vision)
     return write_checkpoint(outdir, preset_config(preset), seed, **layout)

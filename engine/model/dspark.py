@@ -46,6 +46,7 @@ class DraftRows:
     positions: torch.Tensor  # [R]
     first: torch.Tensor  # [R]
     last: torch.Tensor  # [R]
+    image_rows = None  # draft rows are never an image's positions (the stages' MoE has no bias_vl)
 
 
 def block_window(rows: DraftRows, size: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from common.images import IMAGE_ID_BASE
 from engine.checkpoint.quant import scale_values
 from engine.config_v41 import V41Config
 from engine.errors import UnsupportedCheckpointError
@@ -132,7 +133,10 @@ class NgramHasher(nn.Module):
         if step.ngram_context is None:
             raise ValueError("a model with Engram layers needs the step's ngram_context")
         window = torch.cat([step.input_ids.unsqueeze(1), step.ngram_context[:, : self.max_ngram_size - 1]], dim=1)
-        compressed = torch.where(window < 0, self.pad, self.token_map[window.clamp(min=0)])
+        # a window reads padding before the sequence's start and, from the first image position
+        # it reaches on (the token itself included), padding too (SGLang's `hash_windows`)
+        blocked = ((window < 0) | (window >= IMAGE_ID_BASE)).int().cummax(dim=1).values.bool()
+        compressed = torch.where(blocked, self.pad, self.token_map[window.masked_fill(blocked, 0)])
         products = compressed.unsqueeze(1) * self.multipliers  # [T, L, n]
         rolling, hashes = products[..., 0], []
         for i in range(1, self.max_ngram_size):
@@ -171,8 +175,11 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.ones(m, h))
         self.eps = config.rms_norm_eps
 
-    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """streams [T, hc, D] plus each stream's gated share of the n-gram value."""
+    def forward(
+        self, streams: torch.Tensor, rows: torch.Tensor, image_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """streams [T, hc, D] plus each stream's gated share of the n-gram value; an image's
+        positions (`image_rows`) get nothing."""
         m, d = streams.shape[1:]
         kv = self.wkv(self.embed(rows[:, self.hash_index], streams.dtype).flatten(1))
         key, value = kv.split([m * d, d], dim=-1)
@@ -183,4 +190,5 @@ class Engram(nn.Module):
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * weight * key).sum(-1) * rstd * d**-0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_FLOOR).sqrt(), dot))
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(streams.dtype)
+        out = (h + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(streams.dtype)
+        return out if image_rows is None else torch.where(image_rows[:, None, None], streams, out)

@@ -36,6 +36,10 @@ class StepInput:
     # [B] (decode): a prompt's one-token chunk may sit within a window of its truncation point,
     # where the consumer layers' window must not reach before it (None: nothing to hide)
     keep_from: torch.Tensor | None = None
+    # DeepSeek-V4.1's images (common/images.py): which rows are positions of an image's span [T],
+    # and the vision encoder's rows for them, in row order [image rows, hidden]
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

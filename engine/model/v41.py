@@ -396,8 +396,8 @@ class MoE(nn.Module):
         self.experts = Experts(config)
         self.shared_experts = SharedExpert(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        indices, weights = self.gate(x)
+    def forward(self, x: torch.Tensor, image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        indices, weights = self.gate(x, image_rows)
         return self.experts(x, indices, weights) + self.shared_experts(x)
 
 
@@ -441,7 +441,7 @@ class DecoderLayer(nn.Module):
         features: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.engram is not None:
-            streams = self.engram(streams, ngram_rows)
+            streams = self.engram(streams, ngram_rows, step.image_rows)
         if features is not None:  # a DSpark target layer: its attention input, the streams' mean
             features[self.layer] = streams.float().mean(dim=1).to(streams.dtype)
         x = self.attn_input(streams, pre)
@@ -449,7 +449,7 @@ class DecoderLayer(nn.Module):
         streams = expand_and_mix(post, self.attn(x, step, rope, cache, ctx), comb, streams)
         x = self.ffn_norm(collapse(attn_pre, streams))
         ffn_pre, post, comb = self.mixes("ffn", streams)
-        streams = expand_and_mix(post, self.ffn(x), comb, streams)
+        streams = expand_and_mix(post, self.ffn(x, step.image_rows), comb, streams)
         return streams, ffn_pre
 
 
@@ -514,6 +514,8 @@ def kept_rows(step: StepInput) -> tuple[StepInput, torch.Tensor] | None:
         begin += s.length
     index = torch.cat(rows).to(step.input_ids.device) if rows else step.input_ids.new_zeros(0)
     kept = StepInput(step.input_ids[index], step.positions[index], slices)
+    if step.image_rows is not None:
+        kept.image_rows = step.image_rows[index]
     return kept, index
 
 
@@ -564,7 +566,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         `features_out`: gets DSpark's target features [kept rows, hidden * targets] appended (to
         train its stages: engine/checkpoint/train_dspark.py)."""
         cfg = self.config
-        embeds = self.embed(step.input_ids)
+        embeds = self.embed_step(step)
         rope = {label: rotary(step.positions, embeds.dtype) for label, rotary in self.rotary.items()}
         streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
@@ -599,6 +601,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         if index is None:
             return hidden
         return hidden.new_zeros(full.input_ids.shape[0], hidden.shape[-1]).index_copy_(0, index, hidden)
+
+    def embed_step(self, step: StepInput) -> torch.Tensor:
+        """The step's input rows: token embeddings, and at an image's positions the vision
+        encoder's rows (DeepInfer's `replace_input_embeds`: the i-th image row takes the i-th)."""
+        if step.image_rows is None:
+            return self.embed(step.input_ids)
+        embeds = self.embed(step.input_ids.masked_fill(step.image_rows, 0))
+        embeds[step.image_rows] = step.image_embeds.to(embeds.dtype)
+        return embeds
 
     def _joined_features(self, features: dict[int, torch.Tensor], index: torch.Tensor | None) -> torch.Tensor:
         """DSpark's features of the rows the last layer computed (a truncated prompt's kept rows):

@@ -50,10 +50,20 @@ FETCH_SCRIPT = ROOT / "scripts" / "fetch-reference"
 REFERENCE_DIR = ROOT / ".cache" / "reference" / "deepinfer-0.1.0"
 
 # The packages DeepInfer's kernels come from: CUDA-only, never installed next to deepmesh.
-CUDA_ONLY = ("tilelang", "tile_kernels", "deep_gemm", "flash_mla", "deep_ep", "deep_select", "deep_cluster")
+CUDA_ONLY = (
+    "tilelang",
+    "tile_kernels",
+    "deep_gemm",
+    "flash_mla",
+    "flash_attn",
+    "deep_ep",
+    "deep_select",
+    "deep_cluster",
+)
 
 OPS_PACKAGE = "deepinfer.model_executor.layers.tilelang_ops"
 V4_MODULES_PACKAGE = "deepinfer.model_executor.models.v4_modules"
+VISION_PACKAGE = "deepinfer.model_executor.models.vision_encoder"
 
 
 class ReferenceUnavailableError(RuntimeError):
@@ -192,6 +202,11 @@ def _skeleton(root: Path) -> dict[str, types.ModuleType]:
         "deepinfer.model_executor.sampling_inputs": _StubModule("deepinfer.model_executor.sampling_inputs"),
         "deepinfer.model_executor.models": _package("deepinfer.model_executor.models"),
         V4_MODULES_PACKAGE: _package(V4_MODULES_PACKAGE, source / "model_executor" / "models" / "v4_modules"),
+        VISION_PACKAGE: _package(VISION_PACKAGE, source / "model_executor" / "models" / "vision_encoder"),
+        # the image preprocessing (plain Python: PIL, numpy) and the checkpoint's tensor names
+        "deepinfer.ve": _package("deepinfer.ve", source / "ve"),
+        "deepinfer.ve.processor": _package("deepinfer.ve.processor", source / "ve" / "processor"),
+        "deepinfer.hugging_face": _package("deepinfer.hugging_face", source / "hugging_face"),
     }
     for name, module in modules.items():
         parent, _, child = name.rpartition(".")
@@ -254,6 +269,9 @@ def _importable() -> Iterator[None]:
                 deepinfer = sys.modules["deepinfer"]
                 deepinfer.AttrDict = _import_file("deepinfer.attrdict", root / "deepinfer" / "attrdict.py").AttrDict
                 _import_file("deepinfer.testing", root / "deepinfer" / "testing.py")
+                # read by the ViT's module (a decorator's timer) and by the image processor
+                _import_file("deepinfer.timer", root / "deepinfer" / "timer.py")
+                _import_file("deepinfer.multimodal_tokens", root / "deepinfer" / "multimodal_tokens.py")
             yield
         finally:
             sys.meta_path.remove(finder)
@@ -277,3 +295,19 @@ def engram_metadata() -> types.ModuleType:
     """`deepinfer.model_executor.models.v4_modules.engram_metadata`: CompressedVocabulary and
     EngramLayout run; NgramHashMapping stops at its last line, `tile_kernels...make_offsets`."""
     return _import(f"{V4_MODULES_PACKAGE}.engram_metadata")
+
+
+def vision_module(name: str) -> types.ModuleType:
+    """`deepinfer.model_executor.models.vision_encoder.<name>`: `vit` (the ViT, whose kernels are
+    stubs) or `mlp_projector` (the aligner)."""
+    return _import(f"{VISION_PACKAGE}.{name}")
+
+
+def image_processor() -> types.ModuleType:
+    """`deepinfer.ve.processor.image_processor`: the image's layout (grid, token types, patch positions)."""
+    return _import("deepinfer.ve.processor.image_processor")
+
+
+def checkpoint_names() -> types.ModuleType:
+    """`deepinfer.hugging_face.names`: checkpoint tensor names to DeepInfer's module names."""
+    return _import("deepinfer.hugging_face.names")

@@ -53,6 +53,15 @@ Written here (no upstream torch function exists, or none callable on CPU):
 - The Engram window (column s = the token s back, blocked before position 0): SG engram.py
   `_torch_hash_ids` (extend mode), and the table row offsets (exclusive cumsum of the primes, SG
   `EngramHasher.__init__`).
+- Images (positions whose id is at or above the vocabulary's size, as DeepInfer's
+  `_special_image_token_mask` reads them; `image_embeds` holds their rows in order): the rows
+  replace the embeddings through DI tilelang_ops/image_embed_ops.py `replace_input_embeds_ref`;
+  the Engram window is blocked from the first image position it reaches on (SG engram.py
+  `EngramHasher.hash_windows`, its two lines of `cummax`, written here as it is a method) and
+  reads such positions as `image_token_id`, as SGLang's scheduler does; `engram_gate` is SGLang's
+  with its `input_ids` / `image_token_id` arguments (image rows keep their streams); the MoE
+  selects with `gate.bias_vl` at image rows (SG srt/multimodal/dsv41/vl_routing.py
+  `vision_topk`'s torch branch): `biased_topk_impl` runs once per kind of row with its bias.
 - Top-k: a stable top-k (`_stable_topk`), ties toward the earlier entry. Upstream leaves ties
   unspecified (deep_select, torch.topk); it is used for the index top-k, the candidate-block top-k,
   the top-k among candidate blocks, and (passed into `biased_topk_impl` as its `torch.topk`) the
@@ -146,6 +155,7 @@ def _upstream() -> types.SimpleNamespace:
     )
     return types.SimpleNamespace(
         norm_ref=norm.norm_ref,
+        replace_input_embeds_ref=tilelang_op("image_embed_ops").replace_input_embeds_ref,
         compress_prefill_ref=_fp32_twin(compress, "compress_and_update_state_prefill_ref"),
         candidate_block_max_ref=_fp32_twin(candidate, "candidate_block_max_ref", "_check_inputs"),
         get_candidate_compact_lens_ref=candidate.get_candidate_compact_lens_ref,
@@ -307,7 +317,7 @@ class _Config:
 
 def _read_config(model_dir: Path) -> _Config:
     raw = json.loads((model_dir / "config.json").read_text())
-    text = raw.get("text_config", raw)
+    text = {**raw.get("text_config", raw), "image_token_id": raw.get("image_token_id")}
     assert text.get("model_type", raw.get("model_type")) == "deepseek_v41", "not a deepseek_v41 config"
     for key in ("hc_shifted", "hc_pre_from_prev_sublayer"):
         assert text.get(key, True), f"{key}=false: only shifted hyper-connections are implemented"
@@ -325,12 +335,20 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _Forward:
-    def __init__(self, model_dir: Path, token_ids: list[int], keep_tokens: int) -> None:
+    def __init__(
+        self, model_dir: Path, token_ids: list[int], keep_tokens: int, image_embeds: torch.Tensor | None = None
+    ) -> None:
         self.up = _upstream()
         self.model_dir = model_dir
         self.cfg = _read_config(model_dir)
         self.w = _Weights(model_dir)
         self.ids = torch.tensor(token_ids, dtype=torch.int64)
+        self.image = self.ids >= int(self.cfg.text["vocab_size"])
+        self.image_embeds = image_embeds
+        assert int(self.image.sum()) == (0 if image_embeds is None else image_embeds.shape[0])
+        # SGLang's reading of an image position: the image token's id
+        self.image_token_id = int(self.cfg.text.get("image_token_id") or 0)
+        self.model_ids = self.ids.masked_fill(self.image, self.image_token_id)
         self.T = len(token_ids)
         assert self.T > 0 and keep_tokens >= 0
         self.eps = float(self.cfg.rms_norm_eps)
@@ -422,8 +440,11 @@ class _Forward:
         # written here: the extend-mode window of SG `_torch_hash_ids` (column s = token s back)
         t = torch.arange(self.T)
         shifts = torch.arange(n)
-        tokens = self.ids[(t.unsqueeze(-1) - shifts).clamp_min(0)]
+        window = (t.unsqueeze(-1) - shifts).clamp_min(0)
+        tokens = self.model_ids[window]
         blocked = t.unsqueeze(-1) < shifts
+        # SG `hash_windows`: once a look-back hits an image, every older predecessor is PAD
+        blocked = (blocked | (tokens == self.image_token_id)).to(torch.int32).cummax(-1).values.bool()
         pad = int(token_map[int(cfg.text.get("engram_pad_token_id", 2))])
         self.engram_rows = {lid: int(primes[i].sum()) for i, lid in enumerate(layer_ids)}
         self.engram_index = {lid: i for i, lid in enumerate(layer_ids)}
@@ -437,7 +458,14 @@ class _Forward:
         emb = table[hash_rows]  # [n, (N-1)*heads, De]
         kv = _linear(emb.flatten(-2), self.w.get(p + "wkv.weight"))
         return self.up.engram.engram_gate(
-            residual, kv, self.w.get(p + "q_weight"), self.w.get(p + "k_weight"), self.eps, 1e-6
+            residual,
+            kv,
+            self.w.get(p + "q_weight"),
+            self.w.get(p + "k_weight"),
+            self.eps,
+            1e-6,
+            input_ids=self.model_ids[rows],
+            image_token_id=self.image_token_id,
         )
 
     # -- attention ---------------------------------------------------------------------------
@@ -642,21 +670,26 @@ class _Forward:
 
     # -- MoE ---------------------------------------------------------------------------------
 
-    def moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, layer: int, x: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         f = f"layers.{layer}.ffn."
         limit = float(cfg.text["swiglu_limit"]) if cfg.text.get("swiglu_limit") else None
         logits = _linear(x, self.w.get(f + "gate.weight"))
-        weights, ids = self.up.biased_topk_impl(
-            x,
-            logits,
-            self.w.get(f + "gate.bias"),
-            int(cfg.num_experts_per_tok),
-            bool(cfg.text.get("norm_topk_prob", True)),
-            scoring_func=cfg.text.get("scoring_func", "sqrtsoftplus"),
-            routed_scaling_factor=float(cfg.routed_scaling_factor),
-            apply_routed_scaling_factor_on_output=True,
-        )
+        k = int(cfg.num_experts_per_tok)
+        weights = torch.empty(x.shape[0], k)
+        ids = torch.empty(x.shape[0], k, dtype=torch.int32)
+        for kind, bias in ((~image, "gate.bias"), (image, "gate.bias_vl")):
+            if kind.any():
+                weights[kind], ids[kind] = self.up.biased_topk_impl(
+                    x[kind],
+                    logits[kind],
+                    self.w.get(f + bias),
+                    k,
+                    bool(cfg.text.get("norm_topk_prob", True)),
+                    scoring_func=cfg.text.get("scoring_func", "sqrtsoftplus"),
+                    routed_scaling_factor=float(cfg.routed_scaling_factor),
+                    apply_routed_scaling_factor_on_output=True,
+                )
         w = self.w
 
         class _Experts:
@@ -695,7 +728,11 @@ class _Forward:
         self.shared_hidden: torch.Tensor | None = None
 
         rows = torch.arange(self.T)  # the query rows still running, by position
-        embed = self.w.get("embed.weight")[self.ids]
+        embed = self.w.get("embed.weight")[self.ids.masked_fill(self.image, 0)]
+        if self.image_embeds is not None:  # DI's reference, the image positions marked -1
+            marked = self.ids.masked_fill(self.image, -1).to(torch.int32)
+            none = torch.zeros(0, dtype=torch.int32)
+            self.up.replace_input_embeds_ref(embed, marked, self.image_embeds.float(), -1, none, embed[:0])
         residual = self.up.mhc.hc_broadcast(embed, int(cfg.hc_mult))
         pre: torch.Tensor | None = None
         for layer in range(cfg.n_layers):
@@ -719,7 +756,7 @@ class _Forward:
             residual = self.up.mhc._mhc_post_torch(y, residual, post_a.unsqueeze(-1), comb_a)
             pre_f, post_f, comb_f = self.mix(residual, p + "hc_ffn")
             x = self.norm(self.collapse(residual, pre_a), p + "ffn_norm.weight")
-            y = self.moe(layer, x)
+            y = self.moe(layer, x, self.image[rows])
             residual = self.up.mhc._mhc_post_torch(y, residual, post_f.unsqueeze(-1), comb_f)
             pre = pre_f
         h = self.norm(self.collapse(residual, pre), "norm.weight")
@@ -736,8 +773,11 @@ def _compressed_vocabulary(build: Any, tokenizer_file: str) -> Any:
     return build(tokenizer_file)
 
 
-def reference_logits(model_dir: Path, token_ids: list[int], keep_tokens: int = 0) -> torch.Tensor:
+def reference_logits(
+    model_dir: Path, token_ids: list[int], keep_tokens: int = 0, image_embeds: torch.Tensor | None = None
+) -> torch.Tensor:
     """Logits [T, vocab] (fp32) of DeepSeek-V4.1 at `model_dir` for one prompt, run whole, no cache.
     `keep_tokens` > 0: DeepInfer's compact YOCO prefill truncation keeping the last `keep_tokens`
-    rows through the consumer layers; the other rows are NaN."""
-    return _Forward(Path(model_dir), list(token_ids), keep_tokens).run()
+    rows through the consumer layers; the other rows are NaN. `image_embeds`: the rows of the
+    prompt's image positions (ids at or above the vocabulary's size), in order."""
+    return _Forward(Path(model_dir), list(token_ids), keep_tokens, image_embeds).run()

@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 import torch
 
+from common.images import IMAGE_ID_BASE, image_token_ids
 from engine import LLMEngine
 from engine.checkpoint.make_model_v41 import PRESETS_V41, write_checkpoint_v41
 from engine.families import read_config
 from engine.model.step_input import SeqSlice, StepInput, ngram_context
+from engine.sequence import ImageSpan
 from engine.state_cache import StateCache
 from tests.support.v41_reference import reference_logits
 
@@ -140,3 +142,64 @@ def test_greedy_continuations_match_the_reference(checkpoints, name: str):
     for _ in range(5):
         theirs.append(int(reference_logits(checkpoint, theirs)[-1].argmax()))
     assert ours == theirs[len(tokens) :]
+
+
+def image_prompt(seed: int, spans: list[tuple[int, int]], length: int) -> tuple[list[int], list[ImageSpan]]:
+    """A prompt of `length` positions with images at `spans` (start, positions), each with random
+    encoder rows of the embeddings' scale: ids and rows as the tokenizer and encoder make them."""
+    tokens = prompt(length, seed)
+    images, gen = [], torch.Generator().manual_seed(seed)
+    for i, (start, count) in enumerate(spans):
+        tokens[start : start + count] = image_token_ids(f"{seed:02x}{i:02x}" * 16, count)
+        images.append(ImageSpan(start, 0.05 * torch.randn(count, TINY["hidden_size"], generator=gen)))
+    return tokens, images
+
+
+IMAGE_SPANS = [(4, 14), (100, 1), (150, 50)]  # early; one position (an n-gram reaches past it); across KEEP
+
+
+@pytest.mark.parametrize(("name", "keep"), [("preset", "off"), ("preset", "default"), ("window-8", "off")])
+def test_image_rows_match_the_reference(checkpoints, name: str, keep: str):
+    """Images in a prompt: their rows in place of embeddings, `bias_vl` routing their positions,
+    Engram blind to them (nothing added at them, no n-gram reaching past one)."""
+    checkpoint = checkpoints(name)
+    keep = {"off": 0, "default": 140}[keep]
+    engine = LLMEngine.from_pretrained(checkpoint, dtype="float32", prefill_keep_tokens=keep)
+    tokens, images = image_prompt(7, IMAGE_SPANS, 260)
+    rows = torch.cat([image.rows for image in images])
+    model = engine.model
+    keep_from = max(0, len(tokens) - keep) if keep else 0
+    cache = StateCache(model.config, 8, 1, torch.float32, "cpu")
+    step = StepInput.of(torch.tensor(tokens), [SeqSlice(0, 0, len(tokens), list(range(8)), keep_from)])
+    step.ngram_context = ngram_context([], tokens, model.ngram_context)
+    step.image_rows, step.image_embeds = step.input_ids >= IMAGE_ID_BASE, rows
+    with torch.no_grad():
+        ours = model.compute_logits(model(step, cache))
+    theirs = reference_logits(checkpoint, tokens, keep, image_embeds=rows)
+    kept = ~theirs.isnan().any(dim=-1)
+    assert (ours[kept] - theirs[kept]).abs().max().item() <= 1e-4
+    assert torch.equal(ours[kept].argmax(-1), theirs[kept].argmax(-1))
+
+
+def test_served_image_prompts_continue_as_the_reference(checkpoints):
+    """Through the engine as served: prompts with images, prefilled in chunks that cut through the
+    images, batched with a text prompt, decoded greedily; every token is the reference's argmax."""
+    from engine import SamplingParams
+
+    checkpoint = checkpoints("preset")
+    engine = LLMEngine.from_pretrained(checkpoint, dtype="float32", prefill_keep_tokens=0, max_num_batched_tokens=48)
+    tokens, images = image_prompt(11, IMAGE_SPANS, 230)
+    text = prompt(40, 12)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_request("image", tokens, params, images=images)
+    engine.add_request("text", text, params)
+    outputs: dict[str, list[int]] = {"image": [], "text": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] += output.new_token_ids
+    rows = torch.cat([image.rows for image in images])
+    theirs = list(tokens)
+    for _ in range(4):
+        theirs.append(int(reference_logits(checkpoint, theirs, image_embeds=rows)[-1].argmax()))
+    assert outputs["image"] == theirs[len(tokens) :]
+    assert outputs["text"] == engine.generate([text], params)[0].token_ids

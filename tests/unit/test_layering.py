@@ -36,6 +36,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "engine": (
         "common.blocks",
         "common.cache_entries",
+        "common.images",
         "common.metrics",
         "common.prefixes",
         "common.retention",
