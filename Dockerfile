@@ -9,6 +9,7 @@ COPY pyproject.toml README.md ./
 COPY engine engine
 COPY common common
 COPY tokenizer_svc tokenizer_svc
+COPY encoder_svc encoder_svc
 COPY prefill_svc prefill_svc
 COPY decode_svc decode_svc
 COPY cache_svc cache_svc

@@ -93,6 +93,22 @@ def create_app(store: StateStore) -> FastAPI:
             return _error(400, "invalid_request", str(err))
         return JSONResponse(asdict(stored))
 
+    @app.post("/v1/image")
+    async def put_image(
+        request: Request,
+        x_namespace: str = Header(min_length=3, max_length=256),
+        x_digest: str = Header(min_length=64, max_length=64),
+        x_num_tokens: int = Header(ge=1),
+        x_ttl_seconds: float = Header(gt=0, le=MAX_SECONDS),
+    ) -> Response:
+        """An image's encoder rows, stored by its content (StateStore.put_image); loaded by key."""
+        try:
+            rows = await request.body()
+            stored = await run_in_threadpool(store.put_image, x_namespace, x_digest, rows, x_num_tokens, x_ttl_seconds)
+        except ValueError as err:
+            return _error(400, "invalid_request", str(err))
+        return JSONResponse(asdict(stored))
+
     @app.post("/v1/prefix/lookup")
     async def lookup(body: PrefixLookup) -> Response:
         match = await run_in_threadpool(store.lookup, body.namespace, body.token_ids, body.below)

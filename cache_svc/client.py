@@ -37,6 +37,16 @@ class StateClient:
         body = self._call("POST", "/v1/prefix", content=data, headers=headers)
         return Stored(**body) if body is not None else None
 
+    def put_image(self, namespace: str, digest: str, rows: bytes, num_tokens: int, ttl_seconds: float) -> Stored | None:
+        headers = {
+            "X-Namespace": namespace,
+            "X-Digest": digest,
+            "X-Num-Tokens": str(num_tokens),
+            "X-TTL-Seconds": str(ttl_seconds),
+        }
+        body = self._call("POST", "/v1/image", content=rows, headers=headers)
+        return Stored(**body) if body is not None else None
+
     def lookup(self, namespace: str, token_ids: list[int], below: int) -> PrefixMatch:
         body = self._call(
             "POST", "/v1/prefix/lookup", json={"namespace": namespace, "token_ids": token_ids, "below": below}

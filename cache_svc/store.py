@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -34,6 +35,7 @@ from common import metrics
 from common.api import TENANT_PATTERN
 from common.blocks import BLOCK_SIZE
 from common.cache_entries import PrefixMatch, StateBlobs, Stored
+from common.images import image_key
 from common.moving_average import MovingAverage
 from common.prefixes import anchor_key, block_key, chain
 from common.settings import Settings
@@ -139,6 +141,39 @@ class StateStore:
             self._make_room(0)
         size, written = sum(map(len, blobs.values())), sum(len(blobs[k]) for k in new)
         return Stored(keys[0], entries[0].checksum, len(tokens), now + ttl_seconds, size, written)
+
+    def put_image(self, namespace: str, digest: str, rows: bytes, num_tokens: int, ttl_seconds: float) -> Stored:
+        """Store an image's encoder rows (the span of `num_tokens` prompt positions it fills) under
+        its content `digest`, in `namespace` (the encoder's weights and the tenant); loaded by
+        its key (common.images.image_key) like an anchor with no blocks."""
+        layout, _, tenant = namespace.partition("/")
+        if not layout or not TENANT_PATTERN.fullmatch(tenant):
+            raise InvalidEntry(f"namespace {namespace!r} is not <encoder layout>/<tenant id>")
+        if not IMAGE_DIGEST.fullmatch(digest) or num_tokens < 1 or not rows:
+            raise InvalidEntry("an image entry is rows for one or more positions, under a sha256 hex digest")
+        now, key = self.clock(), image_key(namespace, digest)
+        entry = Entry(
+            key=key,
+            kind="image",
+            tenant=tenant,
+            link="",
+            num_tokens=num_tokens,
+            size=len(rows),
+            checksum=checksum_of(rows),
+            blocks=[],
+            tiers="",
+            leases={},
+            created_at=now,
+            expires_at=now + ttl_seconds,
+            hits=0,
+            writer=self.replica,
+        )
+        with self._lock:
+            if key in self.catalog.add(entry, []):
+                self.tiers[0].write(key, rows)
+                self._dirty[key] = None
+            self._make_room(0)
+        return Stored(key, entry.checksum, num_tokens, now + ttl_seconds, len(rows), len(rows))
 
     def lookup(self, namespace: str, token_ids: Sequence[int], below: int) -> PrefixMatch:
         """The longest live anchor shorter than `below` that starts `token_ids`."""
@@ -425,6 +460,9 @@ class StateStore:
                     tier.remove(key)
                 self._dirty.pop(key, None)
             self.catalog.remove(keys)
+
+
+IMAGE_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def _check(namespace: str, token_ids: Sequence[int], state: StateBlobs) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-KEY = re.compile(r"^(anchor|block)-[0-9a-f]{64}$")
+KEY = re.compile(r"^(anchor|block|image)-[0-9a-f]{64}$")  # common/prefixes.py, common/images.py
 
 
 class Tier:

@@ -34,6 +34,13 @@ def image_token_ids(digest: str, length: int) -> list[int]:
     return [IMAGE_ID_BASE | words[i % len(words)] for i in range(length)]
 
 
+def image_key(namespace: str, digest: str) -> str:
+    """The cache key of an image's encoder rows: its content, in a namespace (common.prefixes.
+    namespace_of: the encoder's weights and the tenant, so that one tenant's images never answer
+    another's, and rows of one encoder never another's)."""
+    return "image-" + hashlib.sha256(f"{namespace}\0{digest}".encode()).hexdigest()
+
+
 def is_image_token(token_id: int) -> bool:
     return token_id >= IMAGE_ID_BASE
 

@@ -148,6 +148,15 @@ class Sampling(BaseModel):
         }
 
 
+class ImageRef(BaseModel):
+    """An image's span of a prompt (common/images.py): where its positions are and the content
+    its encoder rows are kept under in the KV cache (engine/image_rows.py). Never its pixels."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")  # sha256 of the image's bytes
+    start: int = Field(ge=0)
+    num_tokens: int = Field(ge=1)
+
+
 class PrefillPayload(BaseModel):
     """`prefill`: a tokenized request, ready for the engine. (Its API body went to `tokens`
     ahead of it, in a JobStart: prefill and decode never need it.)"""
@@ -158,6 +167,23 @@ class PrefillPayload(BaseModel):
     tenant: TenantId = "default"
     retention: RetentionClass = "chat"
     priority: Priority = "interactive"
+    images: list[ImageRef] = []  # encoded already: their rows are in the KV cache
+
+
+class ImageBytes(BaseModel):
+    """An image to encode: its bytes as deepseek-recipe preprocessed them (WebP, base64)."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    data: str = Field(min_length=1)
+
+
+class EncodePayload(BaseModel):
+    """`encode`: a tokenized request with images. The encoder stores each image's rows in the KV
+    cache (unless they are there already) and sends `prefill` on; the images' bytes ride here,
+    as a claim check once the message is large (common/claims.py), never further."""
+
+    prefill: PrefillPayload
+    images: list[ImageBytes] = Field(min_length=1)
 
 
 class KVHandle(BaseModel):
@@ -187,6 +213,7 @@ class DecodePayload(BaseModel):
     retention: RetentionClass = "chat"
     priority: Priority = "interactive"
     prefilled_by: str | None = None  # the prefill replica: it may hold the finished conversation for its next turn
+    images: list[ImageRef] = []  # the prompt's images, whose rows a recompute of the prompt reads
 
 
 class WarmPayload(BaseModel):

@@ -48,6 +48,10 @@ DECODE_GRAPHS = Gauge(
 STATE_HANDOFFS = Counter(
     "deepmesh_state_handoffs", "Decode starts, by how the state arrived (loaded or recomputed)", ["outcome"]
 )
+IMAGES_ENCODED = Counter("deepmesh_images_encoded", "Images the image encoder computed the rows of")
+IMAGES_CACHED = Counter(
+    "deepmesh_images_cached", "Images of requests whose rows the KV cache held already (not encoded again)"
+)
 PREFIX_TOKENS = Counter(
     "deepmesh_prefix_cache_tokens",
     "Prompt tokens served from the engine's own memory (resident), loaded from the cache service (hit) "

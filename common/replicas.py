@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
@@ -32,7 +32,7 @@ from common.topics import Topic, topic_name
 
 log = logging.getLogger(__name__)
 
-Stage = Literal["prefill", "decode"]
+Stage = Literal["encoder", "prefill", "decode"]
 REPORT_SECONDS = 0.25  # how often a replica reports
 STALE_SECONDS = 1.5  # a replica silent this long is out of rotation
 
@@ -91,7 +91,7 @@ class ReplicaTable:
         self.clock = clock
         self._lock = threading.Lock()
         self._reports: dict[str, LoadReport] = {}
-        self._sent: dict[str, list[Dispatch]] = {"prefill": [], "decode": []}
+        self._sent: dict[str, list[Dispatch]] = {stage: [] for stage in get_args(Stage)}
 
     def update(self, report: LoadReport) -> None:
         with self._lock:

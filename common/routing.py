@@ -126,6 +126,23 @@ def choose_decode(
     return Route(chosen.replica, _partition(chosen, job_id), reason, blocks)
 
 
+def choose_encoder(
+    reports: Sequence[LoadReport], in_flight: dict[str, list[Dispatch]], job_id: str, num_images: int
+) -> Route:
+    """The encoder replica with the fewest images ahead of a job's (`queued_tokens` counts images
+    there), those sent to it since its report included."""
+    if not reports:
+        return Route(None, None, "no_replica", num_images)
+
+    def ahead(report: LoadReport) -> tuple[int, int]:
+        sent = sum(d.cost for d in in_flight.get(report.replica, ()))
+        return report.queued_tokens + sent, _tie_break(job_id, report.replica)
+
+    chosen = min(reports, key=ahead)
+    reason = "only_choice" if len(reports) == 1 else "load"
+    return Route(chosen.replica, _partition(chosen, job_id), reason, num_images)
+
+
 class Router:
     """Routes one stage's jobs over a ReplicaTable, and counts what it sent until reports do."""
 
@@ -145,6 +162,12 @@ class Router:
         started = time.perf_counter()
         reports = self.table.live(self.stage)
         route = choose_decode(reports, self._in_flight(reports), job_id, num_tokens)
+        return self._decided(route, started, rerouted)
+
+    def encoder(self, job_id: str, num_images: int, rerouted: bool = False) -> Route:
+        started = time.perf_counter()
+        reports = self.table.live(self.stage)
+        route = choose_encoder(reports, self._in_flight(reports), job_id, num_images)
         return self._decided(route, started, rerouted)
 
     def _decided(self, route: Route, started: float, rerouted: bool) -> Route:

@@ -82,5 +82,13 @@ class Settings(BaseSettings):
     # distributed, a request left `sending` this long is taken as lost with the runner that was
     # producing it, and sent again (gateway/batch_runner.py)
     batch_resend_after_seconds: float = 30.0
+    # images in requests (V4.1 with a vision tower; tokenizer_svc/images.py): how many a request
+    # may have, and how image URLs are fetched (public addresses only, but for the networks
+    # listed here, such as an internal image store: CIDRs, JSON)
+    image_max_per_request: int = 16
+    image_max_bytes: int = 20 << 20
+    image_fetch_connect_seconds: float = 5.0
+    image_fetch_seconds: float = 20.0
+    image_fetch_allowed_networks: list[str] = []
     # how long a stored response (Responses' `store`, the default) is kept for GET and previous_response_id
     responses_keep_seconds: float = 30 * 86400

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 class Topic(StrEnum):
     REQUESTS = "requests"  # accepted API requests; a public interface
+    ENCODE = "encode"  # requests with images, on their way to prefill through the image encoder
     PREFILL = "prefill"
     DECODE = "decode"
     TOKENS = "tokens"

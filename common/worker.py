@@ -336,7 +336,39 @@ JobT = TypeVar("JobT", bound=EngineJob)
 PayloadT = TypeVar("PayloadT", PrefillPayload, DecodePayload)
 
 
-class EngineWorker(Worker, Generic[JobT, PayloadT]):
+class ReplicaWorker(Worker):
+    """A worker that is a replica of its stage: it reports its load (common/replicas.py) under its
+    name, a fresh report for every one its reporter thread sends."""
+
+    def __init__(self, bus: Bus, topic_prefix: str):
+        super().__init__(bus, topic_prefix)
+        self.replica = replica_name(self.group)
+        self.report: LoadReport | None = None
+        self._reported_at = 0.0
+        self._reporter: Reporter | None = None
+
+    def run_once(self, timeout: float = 0.1) -> None:
+        if self._reporter is None:
+            self._reporter = Reporter(self.bus, self.prefix, lambda: self.report)
+            self._reporter.start()
+        super().run_once(timeout)
+        now = time.monotonic()
+        if now - self._reported_at >= REPORT_SECONDS / 2:  # fresh for every report the reporter sends
+            self._reported_at = now
+            self.report = self.load_report()
+
+    def load_report(self) -> LoadReport:
+        """What this replica holds and has room for, read on its own thread."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        super().close()
+        if self._reporter is not None:
+            self._reporter.stop()
+            self._reporter = None
+
+
+class EngineWorker(ReplicaWorker, Generic[JobT, PayloadT]):
     """A worker whose jobs run in an engine (prefill, decode): `jobs` maps a job id to its state,
     which has the job's `span` and, until the cache has answered for it, its `fetch` (a future
     from a fetch thread); `engine` holds a request per admitted job under the same id.
@@ -375,21 +407,7 @@ class EngineWorker(Worker, Generic[JobT, PayloadT]):
         # job's never waits in a queue behind batch work's
         self.fetcher = self._fetch_pool()
         self.batch_fetcher = self._fetch_pool("batch")
-        self.replica = replica_name(self.group)
         self.replicas = replicas
-        self.report: LoadReport | None = None
-        self._reported_at = 0.0
-        self._reporter: Reporter | None = None
-
-    def run_once(self, timeout: float = 0.1) -> None:
-        if self._reporter is None:
-            self._reporter = Reporter(self.bus, self.prefix, lambda: self.report)
-            self._reporter.start()
-        super().run_once(timeout)
-        now = time.monotonic()
-        if now - self._reported_at >= REPORT_SECONDS / 2:  # fresh for every report the reporter sends
-            self._reported_at = now
-            self.report = self.load_report()
 
     def handle(self, records: list[Record]) -> None:
         for record in records:
@@ -457,7 +475,6 @@ class EngineWorker(Worker, Generic[JobT, PayloadT]):
         return False
 
     def load_report(self) -> LoadReport:
-        """What this replica holds and has room for, read on its own thread."""
         topic = self.topic(self.topics[0])
         engine = self.engine
         fetching = sum(1 for job in self.jobs.values() if job.fetch is not None)
@@ -541,9 +558,6 @@ class EngineWorker(Worker, Generic[JobT, PayloadT]):
         """Stop consuming and reporting. Loads and stores under way finish on their threads (a
         fetched job is admitted if this worker runs again); new ones go to a fresh pool."""
         super().close()
-        if self._reporter is not None:
-            self._reporter.stop()
-            self._reporter = None
         for pool in (self.fetcher, self.batch_fetcher):
             pool.shutdown(wait=False)
         self.fetcher, self.batch_fetcher = self._fetch_pool(), self._fetch_pool("batch")

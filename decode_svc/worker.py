@@ -30,7 +30,7 @@ from common.routing import Route, Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, start_span, within
 from common.worker import EngineWorker
-from engine import EngineError, LLMEngine, SamplingParams, StateSnapshot
+from engine import EngineError, ImageRows, ImageSpan, LLMEngine, SamplingParams, StateSnapshot
 from engine.prefix_connector import PrefixConnector
 from engine.prefix_store import PrefixStore
 
@@ -67,6 +67,7 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
         super().__init__(bus, topic_prefix, fetch_threads, replicas)
         self.engine: LLMEngine = engine
         self.cache = PrefixConnector(store, engine.layout, retention)
+        self.image_rows = ImageRows(store, engine.weights, retention)
         self.loaded = self.recomputed = 0
         self.step_time = MovingAverage(0.1)  # seconds per engine step, for the load reports
         for index, state in enumerate(("ready", "planned")):
@@ -92,8 +93,20 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
         the state prefill left for it."""
         self._release(job_id, payload)
 
-    def _fetch(self, job_id: str, job: _Job) -> StateSnapshot | None:
-        """On a fetch thread: the prompt's state prefill stored, as this job's (None: recompute)."""
+    def _fetch(self, job_id: str, job: _Job) -> tuple[StateSnapshot | None, list[ImageSpan]]:
+        """On a fetch thread: the prompt's state prefill stored, as this job's (None: recompute),
+        and its images' rows (a recompute reads them; the engine keeps them for one)."""
+        payload = job.payload
+        with within(job.span, job_id):
+            images = [
+                ImageSpan(ref.start, rows)
+                for ref in payload.images
+                if (rows := self.image_rows.load(payload.tenant, payload.retention, ref.digest, ref.num_tokens))
+                is not None
+            ]
+        return self._handed_over(job_id, job), images
+
+    def _handed_over(self, job_id: str, job: _Job) -> StateSnapshot | None:
         payload, kv = job.payload, job.payload.kv
         if kv is None:
             return None
@@ -113,10 +126,10 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
         """Start a job whose state has arrived (or is gone: recomputed from its tokens)."""
         assert job.fetch is not None
         try:
-            snapshot = job.fetch.result()
+            snapshot, images = job.fetch.result()
         except Exception:  # a cache that fails means recomputing, never a lost job
             log.exception("loading the state of %s failed", job_id)
-            snapshot = None
+            snapshot, images = None, []
         job.fetch = None
         payload = job.payload
         sampling = payload.sampling
@@ -128,13 +141,13 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
         )
         try:
             with within(job.span, job_id):
-                if snapshot is not None and self.engine.import_state(job_id, snapshot, params):
+                if snapshot is not None and self.engine.import_state(job_id, snapshot, params, images):
                     self.loaded += 1
                     outcome = "loaded"
                 else:
                     if snapshot is None:  # missing, corrupt or of another layout: recompute, never guess
                         self.engine.resume(
-                            job_id, payload.prompt_token_ids, [payload.first_token], params, payload.seed
+                            job_id, payload.prompt_token_ids, [payload.first_token], params, payload.seed, images
                         )
                     self.recomputed += 1
                     outcome = "recomputed"

@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (
         ("gateway", "the HTTP gateway"),
         ("tokenizer", "the tokenizer worker"),
+        ("encoder", "an image encoder worker (a V4.1 checkpoint with a vision tower)"),
         ("prefill", "a prefill worker"),
         ("decode", "a decode worker"),
         ("cache", "the cache service"),
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "gateway", "tokenizer", "prefill", "decode", "cache"):
+    if args.command in ("serve", "gateway", "tokenizer", "encoder", "prefill", "decode", "cache"):
         _observe(args.command)
     try:
         code = args.run(args)
@@ -302,6 +303,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.checkpoint.make_model import make_model
     from gateway.app import create_app
     from gateway.jobs import JobStore
+    from tokenizer_svc.images import ImagePolicy
 
     model = args.model
     if model is None:
@@ -323,6 +325,7 @@ def _serve(args: argparse.Namespace) -> int:
         compile_decode=_compile_decode(args, settings),
         speculation=_speculation(args, settings),
         default_thinking=settings.default_thinking if args.default_thinking is None else args.default_thinking,
+        image_policy=ImagePolicy.from_settings(settings),
     )
     mesh.start([mesh.tokenizer])
     app = create_app(
@@ -540,7 +543,7 @@ def _replicas(args: argparse.Namespace) -> int:
 
 def format_replicas(table) -> str:
     """The table `deepmesh replicas` prints: a replica out of rotation says so."""
-    live = {r.replica for stage in ("prefill", "decode") for r in table.live(stage)}
+    live = {r.replica for stage in ("encoder", "prefill", "decode") for r in table.live(stage)}
     header = (
         f"{'replica':<36} {'stage':<8} {'parts':<8} {'queued':>6} {'running':>7} {'queued tok':>10} "
         f"{'free blocks':>12} {'free slots':>10} {'prefill tok/s':>13} {'step ms':>8} {'tier 0':>6}  state"
@@ -554,7 +557,7 @@ def format_replicas(table) -> str:
             f"{len(r.resident):>6}  {'live' if r.replica in live else 'out of rotation'}"
         )
     if len(lines) == 1:
-        lines.append("(no reports: no prefill or decode replica is running)")
+        lines.append("(no reports: no encoder, prefill or decode replica is running)")
     return "\n".join(lines)
 
 
@@ -616,14 +619,29 @@ def _make_worker(
     command: str, bus, settings, model: Path, replicas, compile_decode: bool = False, speculation: dict | None = None
 ):
     if command == "tokenizer":
+        from tokenizer_svc.images import ImagePolicy
         from tokenizer_svc.protocol import Codec
         from tokenizer_svc.worker import TokenizerWorker
 
-        codec = Codec.for_model(model, settings.served_model_name, settings.default_thinking)
+        codec = Codec.for_model(
+            model, settings.served_model_name, settings.default_thinking, ImagePolicy.from_settings(settings)
+        )
         return TokenizerWorker(bus, settings.topic_prefix, codec, replicas)
     from cache_svc.client import StateClient
     from common.retention import Retention
     from engine import LLMEngine
+
+    if command == "encoder":
+        from encoder_svc.worker import EncoderWorker
+        from engine import load_vision_encoder
+        from engine.checkpoint import weights_id
+
+        vision = load_vision_encoder(model)
+        if vision is None:
+            raise ValueError(f"{model} has no vision tower (vision_config): it reads no images")
+        store = StateClient(settings.cache_url)
+        retention = Retention.from_settings(settings)
+        return EncoderWorker(bus, settings.topic_prefix, vision, store, weights_id(model), retention, replicas)
 
     # decode never starts from a prefix, so it keeps none resident
     resident = settings.resident_prefix_bytes if command == "prefill" else 0

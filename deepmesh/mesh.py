@@ -19,8 +19,10 @@ from common.retention import Retention
 from common.topics import create_all
 from common.worker import Worker, run_workers
 from decode_svc.worker import DecodeWorker
-from engine import LLMEngine
+from encoder_svc.worker import EncoderWorker
+from engine import LLMEngine, load_vision_encoder
 from prefill_svc.worker import PrefillWorker
+from tokenizer_svc.images import ImagePolicy
 from tokenizer_svc.protocol import Codec
 from tokenizer_svc.worker import TokenizerWorker
 
@@ -40,6 +42,7 @@ class Mesh:
         compile_decode: bool = False,
         default_thinking: bool = False,
         speculation: dict | None = None,
+        image_policy: ImagePolicy | None = None,
         **engine_options,
     ):
         model_path = Path(model_path)
@@ -57,7 +60,7 @@ class Mesh:
             **(speculation or {}),
         }
         decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **decode_options)
-        codec = Codec.for_model(model_path, served_model, default_thinking)
+        codec = Codec.for_model(model_path, served_model, default_thinking, image_policy)
         self.store = store
         self.maintenance_seconds = maintenance_seconds
         self.stopping = threading.Event()
@@ -77,10 +80,18 @@ class Mesh:
         )
         self.decode = DecodeWorker(bus, topic_prefix, decode_engine, store, retention=retention, replicas=self.replicas)
         self.workers: list[Worker] = [self.tokenizer, self.prefill, self.decode]
+        # a model that reads images (V4.1 with a vision tower): its encoder, the stage before prefill
+        self.encoder: EncoderWorker | None = None
+        vision = load_vision_encoder(model_path, dtype=prefill_engine.model.lm_head.weight.dtype)
+        if vision is not None:
+            weights = prefill_engine.weights
+            self.encoder = EncoderWorker(bus, topic_prefix, vision, store, weights, retention, self.replicas)
+            self.workers.append(self.encoder)
 
     @property
     def engine_workers(self) -> list[Worker]:
-        return [self.prefill, self.decode]
+        """The workers that run PyTorch: they take turns on one thread."""
+        return [w for w in (self.encoder, self.prefill, self.decode) if w is not None]
 
     def start(self, workers: list[Worker] | None = None) -> Mesh:
         """Run the workers (by default all of them) on background threads, engine workers on one
@@ -93,7 +104,7 @@ class Mesh:
         maintenance = MaintenanceThread(self.store, self.maintenance_seconds, self.stopping)
         maintenance.start()
         self._threads.append(maintenance)
-        engines = [w for w in workers if isinstance(w, (PrefillWorker, DecodeWorker))]
+        engines = [w for w in workers if w in self.engine_workers]
         groups = [[w] for w in workers if w not in engines] + ([engines] if engines else [])
         for group in groups:
             name = "+".join(w.group for w in group)

@@ -7,14 +7,19 @@ import os
 # fixes its directory on first use.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".cache/torchinductor"))
 
+from engine.checkpoint.vision import load_vision_encoder
 from engine.errors import EngineError, InvalidRequestError, UnknownRequestError, UnsupportedCheckpointError
+from engine.image_rows import ImageRows
 from engine.llm_engine import LLMEngine
-from engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from engine.model.vision import VisionEncoder
+from engine.sequence import CompletionOutput, ImageSpan, RequestOutput, SamplingParams
 from engine.state_transfer import SnapshotError, StateSnapshot
 
 __all__ = [
     "CompletionOutput",
     "EngineError",
+    "ImageRows",
+    "ImageSpan",
     "InvalidRequestError",
     "LLMEngine",
     "RequestOutput",
@@ -23,4 +28,6 @@ __all__ = [
     "StateSnapshot",
     "UnknownRequestError",
     "UnsupportedCheckpointError",
+    "VisionEncoder",
+    "load_vision_encoder",
 ]

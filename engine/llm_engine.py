@@ -591,8 +591,10 @@ class LLMEngine:
         self,
         prompts: SequenceOf[SequenceOf[int]],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        images: SequenceOf[SequenceOf[ImageSpan]] | None = None,
     ) -> list[CompletionOutput]:
-        """Run the prompts to completion, batched together; outputs in prompt order."""
+        """Run the prompts to completion, batched together; outputs in prompt order. `images`:
+        each prompt's images (add_request's)."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
@@ -601,8 +603,8 @@ class LLMEngine:
         ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
         seqs = []
         try:
-            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                self.add_request(request_id, prompt, p)
+            for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                self.add_request(request_id, prompt, p, images=images[i] if images else ())
                 seqs.append(self.seqs[request_id])
         except Exception:
             for seq in seqs:

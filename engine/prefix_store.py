@@ -42,6 +42,15 @@ class PrefixStore(Protocol):
         `lease_seconds` if one is named (a hand-over); None if it was not stored."""
         ...
 
+    def put_image(self, namespace: str, digest: str, rows: bytes, num_tokens: int, ttl_seconds: float) -> Stored | None:
+        """Store an image's encoder rows under its content (common.images.image_key names them);
+        `load` reads them back as an entry with no blocks. None if they were not stored."""
+        ...
+
+    def renew(self, key: str, ttl_seconds: float) -> float | None:
+        """Keep an entry at least `ttl_seconds` more; its new expiry, or None if it is not stored."""
+        ...
+
     def release(self, key: str, holder: str) -> bool:
         """Unpin an entry leased to `holder`."""
         ...

@@ -14,7 +14,7 @@ class Dispatcher:
     def __init__(self, bus: Bus, topic_prefix: str):
         self.bus = bus
         self.requests_topic = topic_name(Topic.REQUESTS, topic_prefix)
-        self.stage_topics = [topic_name(Topic.PREFILL, topic_prefix), topic_name(Topic.DECODE, topic_prefix)]
+        self.stage_topics = [topic_name(t, topic_prefix) for t in (Topic.ENCODE, Topic.PREFILL, Topic.DECODE)]
 
     def send(self, job_id: str, endpoint: str, body: dict[str, Any], options: dict[str, Any], parent=None) -> None:
         """Produce the request to `requests` (blocking); raises what the bus raises when the broker
@@ -25,7 +25,7 @@ class Dispatcher:
             self.bus.produce(self.requests_topic, job_id, message.encode(), headers_of(span))
 
     def cancel(self, job_id: str, parent: Span | None = None) -> None:
-        """Tell prefill and decode to drop a job and free its state, wherever it is: queued (a
+        """Tell the encoder, prefill and decode to drop a job and free its state, wherever it is: queued (a
         cancel that comes first is remembered), prefilling or decoding. Blocking."""
         cancel = Envelope(type="cancel", job_id=job_id).encode()
         with job_span("cancel job", job_id, parent) as span:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common import metrics
 from common.api import error_body
@@ -26,6 +26,7 @@ from common.cache_entries import PrefixMatch, Stored
 from common.messages import (
     DecodePayload,
     Envelope,
+    ImageRef,
     KVHandle,
     PrefillPayload,
     ResultPayload,
@@ -41,7 +42,16 @@ from common.routing import Route, Router
 from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, sender_span, start_span, within
 from common.worker import EngineWorker
-from engine import EngineError, LLMEngine, RequestOutput, SamplingParams, SnapshotError, StateSnapshot
+from engine import (
+    EngineError,
+    ImageRows,
+    ImageSpan,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+    SnapshotError,
+    StateSnapshot,
+)
 from engine.prefix_connector import PrefixConnector
 from engine.prefix_store import PrefixStore
 
@@ -53,6 +63,8 @@ class _Fetched:
 
     snapshot: StateSnapshot | None
     match: PrefixMatch
+    images: list[ImageSpan] = field(default_factory=list)  # the prompt's images' rows
+    missing_images: int = 0  # images whose rows the cache did not have
 
 
 @dataclass
@@ -107,6 +119,7 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         self.decode_router = Router(replicas, "decode") if replicas is not None else None
         self.engine: LLMEngine = engine
         self.cache = PrefixConnector(store, engine.layout, retention)
+        self.image_rows = ImageRows(store, engine.weights, retention)
         self.lease_seconds = lease_seconds
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
         # warm loads (finished conversations to hold, WarmPayload) run on a thread of their own,
@@ -196,7 +209,15 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
             )
         if snapshot is not None:  # what routers weigh a load from the cache service by
             self.load_speed.observe(snapshot.num_computed / max(time.perf_counter() - started, 1e-6))
-        return _Fetched(snapshot, match)
+        with within(job.span, job_id):
+            images = [self._image(payload, ref) for ref in payload.images]
+        found = [image for image in images if image is not None]
+        return _Fetched(snapshot, match, found, len(images) - len(found))
+
+    def _image(self, payload: PrefillPayload, ref: ImageRef) -> ImageSpan | None:
+        """An image's rows from the cache (the encoder stored them), or None."""
+        rows = self.image_rows.load(payload.tenant, payload.retention, ref.digest, ref.num_tokens)
+        return ImageSpan(ref.start, rows) if rows is not None else None
 
     def _admit(self, job_id: str, job: _Job) -> None:
         """Start a job whose fetch is done: from its prefix if it has one, else from scratch."""
@@ -208,6 +229,14 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
             fetched = _Fetched(None, PrefixMatch())
         job.fetch = None
         prompt = job.payload.prompt_token_ids
+        if fetched.missing_images:  # evicted since the encoder stored them, or never stored
+            with within(job.span, job_id, end=True):
+                reason = f"{fetched.missing_images} of the request's images are not in the KV cache; send it again"
+                self._fail(job_id, reason, job.span, status=503)
+                self.end_here(job_id)
+            del self.jobs[job_id]
+            self.watermarks.release(job_id)
+            return
         try:
             with within(job.span, job_id):
                 job.cached_tokens, source = self._start(job_id, prompt, job.params, fetched)
@@ -230,18 +259,19 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         saved (0: a full prefill) and where they came from (hit, resident, or miss)."""
         reusable = self.engine.reusable_prefix(len(prompt))
         anchors = anchor_positions(len(prompt), fetched.match.shared_tokens, self.anchor_interval, reusable)
+        images = fetched.images
         if fetched.snapshot is not None:
             try:
-                if self.engine.import_prefix(job_id, fetched.snapshot, prompt, params, anchors):
+                if self.engine.import_prefix(job_id, fetched.snapshot, prompt, params, anchors, images):
                     return fetched.snapshot.num_computed, "hit"
             except SnapshotError as err:  # unusable: a miss, computed from scratch
                 log.warning("stored prefix unusable: %s", err)
                 metrics.CACHE_MISSES.labels("corrupt").inc()
             if self.engine.has_request(job_id):  # queued for a full prefill: no room to load it now
                 return 0, "miss"
-        if cached := self.engine.import_resident(job_id, prompt, params, anchors):
+        if cached := self.engine.import_resident(job_id, prompt, params, anchors, images):
             return cached, "resident"
-        self.engine.add_request(job_id, prompt, params, anchors)
+        self.engine.add_request(job_id, prompt, params, anchors, images)
         return 0, "miss"
 
     def _too_slow_to_load(self, match: PrefixMatch, held: int = 0) -> bool:
@@ -360,6 +390,7 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
             retention=job.payload.retention,
             priority=job.payload.priority,
             prefilled_by=self.replica,
+            images=job.payload.images,
         )
         envelope = Envelope(type="decode", job_id=job_id, payload=handoff.model_dump())
         if self.decode_router is None:
@@ -399,8 +430,8 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
             job_id, job.span, payload.tenant, payload.retention, snapshot, lease_seconds, payload.priority
         )
 
-    def _fail(self, job_id: str, reason: str, span: Span) -> None:
-        result = ResultPayload(done=True, status=400, body=error_body(self.jobs[job_id].payload.endpoint, reason))
+    def _fail(self, job_id: str, reason: str, span: Span, status: int = 400) -> None:
+        result = ResultPayload(done=True, status=status, body=error_body(self.jobs[job_id].payload.endpoint, reason))
         self.hop(Topic.RESULTS, Envelope(type="result", job_id=job_id, payload=result.model_dump()), span)
 
 

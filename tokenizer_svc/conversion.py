@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from common.api import error_body
+from tokenizer_svc.images import PlacedImage
 
 
 class ProtocolError(Exception):
@@ -40,6 +41,8 @@ class Prompt:
     stop_token_ids: list[int] = field(default_factory=list)  # the request's own stop tokens
     top_k: int = 0  # 0: every token
     traced: dict[str, str] = field(default_factory=dict)  # fields recorded on the request's trace only
+    # the prompt's images (V4.1), in the order of their spans in token_ids (common/images.py)
+    images: list[PlacedImage] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,14 @@ from tokenizer_svc import request_fields
 from tokenizer_svc.completions import Completions, CompletionStream
 from tokenizer_svc.constraints import ConstraintError, Markup, output_grammar, schemas_for_the_recipe
 from tokenizer_svc.conversion import Event, Prompt, ProtocolError, compact_json, error_json
+from tokenizer_svc.images import (
+    ImagePolicy,
+    ImageRequestError,
+    ImageResolver,
+    ResolvedImage,
+    image_parts,
+    placed,
+)
 from tokenizer_svc.request_fields import Extras
 
 ENDPOINTS = {  # endpoint -> (request type, response type); response ids: common.api.response_id
@@ -49,13 +57,15 @@ class Codec:
         add_bos: bool = False,
         default_thinking: bool = False,
         model_type: str = "deepseek_v4",
+        images: ImageResolver | None = None,
     ):
         """`add_bos`: the tokenizer starts a raw text with its BOS token (Completions' prompts;
         a chat template writes its own). `default_thinking`: whether a request that does not say
         reasons before its answer (clients that know nothing of reasoning would otherwise see a
         small max_tokens spent on it and an empty answer). `model_type`: the checkpoint's, which picks
         the prompt encoding whatever name the model is served under (V4.1 writes `<｜System｜>`
-        and a reasoning-effort line V4 does not)."""
+        and a reasoning-effort line V4 does not). `images`: how a model that reads images (V4.1 with
+        a vision tower) resolves a request's; None: requests with images are refused."""
         self.tokenizer = recipe.Tokenizer.from_file(str(tokenizer_file))
         self.decoder = Tokenizer.from_file(str(tokenizer_file))  # bytes of tokens: see OutputStream.tokens
         v41 = model_type == "deepseek_v41"
@@ -75,13 +85,28 @@ class Codec:
         self.markup = Markup(think_end=self.think_end, dsml=self.decoder.token_to_id("｜DSML｜"))
         bos = self.decoder.token_to_id("<｜begin▁of▁sentence｜>") if add_bos else None
         self.completions = Completions(self.decoder, served_models, context_limit, self.stop_ids, bos)
+        self.images = images
+        self.image_placeholder = self.decoder.token_to_id(recipe.SpecialToken.Image.default_str())
 
     @classmethod
-    def for_model(cls, model_path: str | Path, served_model: str, default_thinking: bool = False) -> Codec:
-        """A codec for a checkpoint directory: its tokenizer, context length and EOS tokens."""
+    def for_model(
+        cls,
+        model_path: str | Path,
+        served_model: str,
+        default_thinking: bool = False,
+        image_policy: ImagePolicy | None = None,
+    ) -> Codec:
+        """A codec for a checkpoint directory: its tokenizer, context length and EOS tokens, and
+        the geometry of its vision tower, if it has one (images fetched by `image_policy`)."""
         from engine.families import read_config
 
         config = read_config(model_path)
+        vision = getattr(config, "vision_config", None)
+        images = None
+        if vision:
+            images = ImageResolver(
+                image_policy or ImagePolicy(), int(vision.get("patch_size", 14)), int(vision.get("downsample_ratio", 3))
+            )
         tokenizer_config = Path(model_path) / "tokenizer_config.json"
         settings = json.loads(tokenizer_config.read_text()) if tokenizer_config.exists() else {}
         return cls(
@@ -92,6 +117,7 @@ class Codec:
             add_bos=settings.get("add_bos_token") is True,
             default_thinking=default_thinking,
             model_type=config.model_type,
+            images=images,
         )
 
     def convert(self, endpoint: str, body: dict[str, Any] | bytes | str) -> tuple[Any, str, Extras]:
@@ -107,6 +133,9 @@ class Codec:
         if not isinstance(body, dict):
             raise ProtocolError(400, error_json(endpoint, "the request body must be a JSON object"))
         if problem := protocol_problem(endpoint, body):
+            raise ProtocolError(400, error_json(endpoint, problem))
+        if self.images is None and image_parts(body):
+            problem = f"model {body.get('model')!r} does not read images (it has no vision encoder)"
             raise ProtocolError(400, error_json(endpoint, problem))
         try:
             body, extras = request_fields.read(endpoint, body, self.decoder.get_vocab_size())
@@ -134,6 +163,9 @@ class Codec:
         conversation_request, model, extras = self.convert(endpoint, body)
         try:
             token_ids = self.encoding.encode(conversation_request.conversation)
+            images = []
+            if resolved := self._images(model, conversation_request.conversation):
+                token_ids, images = placed(token_ids, self.image_placeholder, resolved)
             max_tokens = conversation_request.resolve_max_tokens(len(token_ids), self.context_limit)
             options = conversation_request.inference_options
             temperature = options.temperature if options.temperature is not None else 1.0
@@ -143,6 +175,8 @@ class Codec:
             logprobs = (options.top_logprobs or 0) if options.logprobs else None
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
+        except ImageRequestError as err:
+            raise ProtocolError(400, error_json(endpoint, str(err))) from err
         except Exception as err:
             raise ProtocolError(400, error_json(endpoint, f"unreadable request: {err}")) from err
         if not (math.isfinite(temperature) and temperature >= 0):
@@ -176,7 +210,14 @@ class Codec:
             stop_token_ids=list(extras.stop_token_ids),
             top_k=extras.top_k,
             traced=dict(extras.traced),
+            images=images,
         )
+
+    def _images(self, model: str, conversation: Any) -> list[ResolvedImage]:
+        """The conversation's images, resolved, in the order of their placeholders."""
+        if self.images is None or not any(message.image_sources for message in conversation.messages):
+            return []
+        return self.images.resolve(self.encoding.render_conversation(conversation).image_sources)
 
     def output(
         self, endpoint: str, body: dict[str, Any] | bytes | str, response_id: str

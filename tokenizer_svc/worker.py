@@ -9,6 +9,7 @@ it ended without finishing.
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, field
 
@@ -19,7 +20,10 @@ from common.bus import Bus, Record
 from common.job_streams import StreamCursor
 from common.messages import (
     BadMessage,
+    EncodePayload,
     Envelope,
+    ImageBytes,
+    ImageRef,
     JobStart,
     PrefillPayload,
     RequestPayload,
@@ -37,6 +41,7 @@ from common.topics import Topic
 from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span
 from common.worker import EarlyCancels, OnTheirWay, Worker
 from tokenizer_svc.completions import CompletionStream
+from tokenizer_svc.conversion import Prompt
 from tokenizer_svc.protocol import Codec, Event, OutputStream, ProtocolError
 
 
@@ -64,6 +69,7 @@ class TokenizerWorker(Worker):
         super().__init__(bus, topic_prefix)
         self.codec = codec
         self.prefill_router = Router(replicas, "prefill") if replicas is not None else None
+        self.encoder_router = Router(replicas, "encoder") if replicas is not None else None
         self.jobs: dict[str, _Job] = {}
         self.cancelled = EarlyCancels()  # jobs that ended before their start came
         # interactive jobs sent to prefill whose first tokens have not come back: while there are
@@ -152,6 +158,9 @@ class TokenizerWorker(Worker):
                 tenant=request.tenant,
                 retention=request.retention or DEFAULT_RETENTION[request.endpoint],
                 priority=request.priority,
+                images=[
+                    ImageRef(digest=p.image.digest, start=p.start, num_tokens=p.image.num_tokens) for p in prompt.images
+                ],
             )
         except ProtocolError as err:
             self._refuse(envelope.job_id, err.status_code, json.loads(err.body), span)
@@ -169,14 +178,32 @@ class TokenizerWorker(Worker):
         start = JobStart(endpoint=request.endpoint, body=request.body, tenant=request.tenant, priority=request.priority)
         # first the start, then the job: its tokens, which come after the prefill, find it there
         self.hop(Topic.TOKENS, Envelope(type="start", job_id=envelope.job_id, payload=start.model_dump()), span)
-        message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
         if request.priority == "interactive":
             self.on_their_way.add(envelope.job_id)
+        if prompt.images:  # through the image encoder first
+            self._encode(envelope.job_id, prefill, prompt, span)
+            return
+        message = Envelope(type="prefill", job_id=envelope.job_id, payload=prefill.model_dump())
         if self.prefill_router is None:
             self.hop(Topic.PREFILL, message, span)
             return
         route = self.prefill_router.prefill(envelope.job_id, prefill.tenant, prefill.prompt_token_ids)
         self.dispatch(Topic.PREFILL, message, span, self.prefill_router, route)
+
+    def _encode(self, job_id: str, prefill: PrefillPayload, prompt: Prompt, span: Span) -> None:
+        """A prompt with images goes to the image encoder, with the images' bytes (each once)."""
+        images = {p.image.digest: p.image.data for p in prompt.images}
+        payload = EncodePayload(
+            prefill=prefill,
+            images=[ImageBytes(digest=d, data=base64.b64encode(data).decode()) for d, data in images.items()],
+        )
+        message = Envelope(type="encode", job_id=job_id, payload=payload.model_dump())
+        if self.encoder_router is None:
+            self.hop(Topic.ENCODE, message, span)
+            return
+        self.dispatch(
+            Topic.ENCODE, message, span, self.encoder_router, self.encoder_router.encoder(job_id, len(images))
+        )
 
     def _refuse(self, job_id: str, status: int, body: dict, span: Span) -> None:
         """A request that cannot be run: its error is its whole answer."""
@@ -248,7 +275,7 @@ class TokenizerWorker(Worker):
         except Exception as err:  # its answer cannot be built: it ends now, and nothing runs for it
             span.end()
             self.watermarks.seen(record)
-            for topic in (Topic.PREFILL, Topic.DECODE):
+            for topic in (Topic.ENCODE, Topic.PREFILL, Topic.DECODE):
                 self.cancel_everywhere(topic, job_id)
             raise OutputFailed(job_id, start.endpoint, err) from err
         self.jobs[job_id] = _Job(output, span, headers_of(span), tenant=start.tenant, priority=start.priority)

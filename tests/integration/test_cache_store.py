@@ -14,6 +14,7 @@ from cache_svc.catalog import Catalog
 from cache_svc.store import InvalidEntry, StateStore
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier
 from common.cache_entries import StateBlobs
+from common.images import image_key
 from common.prefixes import anchor_key, block_key, chain
 from tests.support.infra import fresh_database, require_service
 from tests.support.synthetic_states import LAYOUT, NS, state_of, tokens
@@ -253,3 +254,37 @@ def test_orphans_are_collected(tmp_path, database, clock):
     store._remove([block_key(chain(tokens(300, 5000), NS)[1])])  # as an eviction from the last tier does
     assert store.collect_orphans() == 1
     assert store.catalog.get([broken]) == {} and store.load(key)[0] is not None
+
+
+@pytest.mark.parametrize("backend", ["directory", "redis"])
+def test_image_rows_go_through_every_tier_as_prefixes_do(tmp_path, database, clock, backend):
+    """An image's rows (an entry of its own kind, keyed by the image's content): written behind to
+    disk and the shared tier, back exactly after a restart and from another replica, renewed and
+    expired like a prefix, and never one tenant's answer to another's."""
+
+    def shared_tier():
+        if backend == "directory":
+            return DirectoryTier(tmp_path / "shared", None, name="shared", shared=True)
+        return RedisTier(require_service("DEEPMESH_REDIS_URL"), None, prefix=f"test:{tmp_path.name}:")
+
+    digest, rows = "ab" * 32, bytes(range(256)) * 40
+    store = make_store(tmp_path, database, clock, shared=shared_tier(), name="a")
+    stored = store.put_image(f"{LAYOUT}/acme", digest, rows, 194, ttl_seconds=600)
+    assert stored.key == image_key(f"{LAYOUT}/acme", digest) and stored.num_tokens == 194
+    assert store.flush() == 1  # to disk and the shared tier, where a key of every kind can be written
+    assert store.load(image_key(f"{LAYOUT}/other", digest)) == (None, "evicted")
+    store.close()
+    restarted = make_store(tmp_path, database, clock, shared=shared_tier(), name="a")
+    assert restarted.load(stored.key) == (StateBlobs(rows, []), None)
+    other = make_store(tmp_path, database, clock, shared=shared_tier(), name="b")
+    assert other.load(stored.key) == (StateBlobs(rows, []), None)
+    clock.now += 500
+    assert other.renew(stored.key, 600) == clock.now + 600
+    clock.now += 599
+    assert other.sweep() == 0 and other.load(stored.key)[0] == StateBlobs(rows, [])
+    clock.now += 601
+    assert other.sweep() == 1 and other.load(stored.key) == (None, "evicted")
+    with pytest.raises(InvalidEntry):
+        store.put_image(f"{LAYOUT}/acme", "not-a-digest", rows, 194, ttl_seconds=600)
+    if backend == "redis":
+        other.tiers[-1].client.delete(*[other.tiers[-1].prefix + k for k in other.tiers[-1].lru] or ["none"])

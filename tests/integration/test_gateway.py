@@ -23,7 +23,27 @@ def model(tiny_preset):
 
 
 class TestEmbedded(GatewayBehaviour):
-    pass
+    def test_an_image_to_a_model_that_reads_none_is_a_400_while_a_text_request_is_answered(self, oai):
+        """DeepSeek-V4 has no vision tower: an image is refused by name, never silently dropped."""
+        import threading
+
+        import openai
+
+        answered = []
+        text = [{"role": "user", "content": "hello"}]
+        beside = threading.Thread(
+            target=lambda: answered.append(oai.chat.completions.create(model=MODEL, messages=text, max_tokens=2))
+        )
+        beside.start()
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        with pytest.raises(openai.BadRequestError, match="does not read images"):
+            oai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, image]}],
+                max_tokens=2,
+            )
+        beside.join(timeout=60)
+        assert answered and answered[0].choices[0].message.content is not None
 
 
 class TestEmbeddedModelOutput(ModelOutputBehaviour):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import http.client
+import io
 import json
 import threading
 import time
@@ -26,21 +27,24 @@ from typing import Literal
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pydantic
 import pytest
 import torch
 import uvicorn
+from PIL import Image
 from tokenizers import Tokenizer
 
 from common.bus import Bus, MemoryBus
 from common.claims import ClaimStore
 from common.messages import Envelope, PrefillPayload, RequestPayload, ResultPayload, TokensPayload, decode
 from common.topics import Topic, all_topic_names, topic_name
-from engine import SamplingParams
+from engine import ImageSpan, SamplingParams, load_vision_encoder
 from gateway.app import create_app
 from tests.support.infra import free_port
 from tests.support.models import reference_engine
+from tokenizer_svc.conversion import Prompt
 from tokenizer_svc.protocol import Codec
 from tokenizer_svc.worker import TokenizerWorker
 
@@ -99,7 +103,8 @@ def one_process_answers(model: Path, requests: list[tuple[str, dict]]) -> list[d
     prompts = [codec.prompt(endpoint, body) for endpoint, body in requests]
     assert all(prompt.temperature == 0 for prompt in prompts), "compare greedy requests only"
     params = [SamplingParams(max_tokens=p.max_tokens, temperature=0, grammar=p.grammar) for p in prompts]
-    outputs = reference_engine(model).generate([p.token_ids for p in prompts], params)
+    images = [image_spans(model, prompt) for prompt in prompts]
+    outputs = reference_engine(model).generate([p.token_ids for p in prompts], params, images)
     answers = []
     for (endpoint, body), prompt, out in zip(requests, prompts, outputs, strict=True):
         stream = codec.output(endpoint, body, "reference")
@@ -108,6 +113,20 @@ def one_process_answers(model: Path, requests: list[tuple[str, dict]]) -> list[d
         stream.finish(out.finish_reason)
         answers.append(stream.body())
     return answers
+
+
+def image_spans(model: Path, prompt: Prompt) -> list[ImageSpan]:
+    """A prompt's images' rows, computed here by the checkpoint's vision tower from the bytes the
+    tokenizer resolved (what the encoder service stores for prefill)."""
+    if not prompt.images:
+        return []
+    encoder = load_vision_encoder(model)
+    assert encoder is not None
+    spans = []
+    for placed in prompt.images:
+        pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(placed.image.data)).convert("RGB")).copy())
+        spans.append(ImageSpan(placed.start, encoder.span_rows(pixels)))
+    return spans
 
 
 class ScriptedModel:

@@ -4,12 +4,16 @@ single process computes (which the embedded mesh's are too: tests/integration/te
 
 from __future__ import annotations
 
+import base64
+import io
 import re
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from common.blocks import BLOCK_SIZE
 from tests.support.behaviour import GREEDY, MODEL, one_process_answers
@@ -20,7 +24,7 @@ from tests.support.cluster import Cluster
 def cluster(tiny_v41_preset, tmp_path_factory):
     running = Cluster(tmp_path_factory.mktemp("cluster-v41"), tiny_v41_preset)
     try:
-        yield running.start(("cache", "gateway", "tokenizer", "prefill", "decode"))
+        yield running.start(("cache", "gateway", "tokenizer", "encoder", "prefill", "decode"))
     finally:
         running.stop()
 
@@ -62,3 +66,27 @@ def test_greedy_answers_and_cached_prefixes_are_one_process_ones(cluster, tiny_v
     assert len(logprobs) == 6 and again.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-4)
     assert again.usage.prompt_tokens_details.cached_tokens == (600 - 140) // BLOCK_SIZE * BLOCK_SIZE
     assert loaded_handoffs(cluster) == 4  # every decode started from what prefill stored (a fresh cluster)
+
+
+def test_an_image_is_encoded_by_its_own_process_and_its_repeat_is_cached(cluster, tiny_v41_preset):
+    """A data URL over the OpenAI SDK: the tokenizer resolves it, the encoder process stores its rows
+    in the cache service, prefill and decode read them there; the answer and usage are one
+    process's, and the same image and prompt again reports its reusable prefix as cached."""
+    oai = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    pixels = (np.random.default_rng(7).random((800, 1000, 3)) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 6}
+    (expected,) = one_process_answers(
+        tiny_v41_preset, [("chat.completions", {**chat, "temperature": 0, **GREEDY["extra_body"]})]
+    )
+    first = oai.chat.completions.create(**chat, **GREEDY)
+    assert first.choices[0].message.content == expected["choices"][0]["message"]["content"]
+    assert first.usage.prompt_tokens == expected["usage"]["prompt_tokens"] > 500
+    again = oai.chat.completions.create(**chat, **GREEDY)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert (
+        again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 140) // BLOCK_SIZE * BLOCK_SIZE
+    )

@@ -19,7 +19,17 @@ import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "engine", "cache_svc", "gateway", "tokenizer_svc", "prefill_svc", "decode_svc", "deepmesh")
+PACKAGES = (
+    "common",
+    "engine",
+    "cache_svc",
+    "gateway",
+    "tokenizer_svc",
+    "encoder_svc",
+    "prefill_svc",
+    "decode_svc",
+    "deepmesh",
+)
 EVERYTHING = tuple(f"{package}.*" for package in PACKAGES)
 
 # package -> the first-party modules outside itself it may import: a module by its name, or a
@@ -53,6 +63,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "tokenizer_svc": ("common.*", "engine.config", "engine.families"),
     # consume, run the engine through its public API (its package's exports) and its connector
     # to any KV store, produce: no cache_svc, the store is handed in by whoever wires the mesh
+    # images in, rows to the KV cache, the job on to prefill: the engine's vision tower and
+    # image rows through its public API, the store handed in like prefill's
+    "encoder_svc": ("common.*", "engine", "engine.prefix_store"),
     "prefill_svc": ("common.*", "engine", "engine.prefix_connector", "engine.prefix_store"),
     "decode_svc": ("common.*", "engine", "engine.prefix_connector", "engine.prefix_store"),
     # wires everything together: the CLI and the embedded mesh pick the concrete stores

@@ -1,0 +1,224 @@
+"""Images in requests, over the embedded mesh serving the tiny-v41 preset (its vision tower): the
+official SDKs send them, the tokenizer resolves them with deepseek-recipe, the encoder stage
+stores their rows by content, prefill reads them from the KV cache.
+
+The oracles: deepseek-recipe's own count of an image's tokens (`image_token_adjustment`) for the
+usage, and a one-process run of the engine for the answer (tests/support/behaviour.py: the rows
+come from the checkpoint's vision tower there, which tests/unit/test_vision.py holds against
+DeepInfer's). Every bad image is a 400 naming the problem while a well-formed request beside
+it is answered.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+
+import anthropic
+import deepseek_recipe as recipe
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from common.blocks import BLOCK_SIZE
+from tests.support.batch_behaviour import jsonl, lines_of, openai_ended, wait_for_batch
+from tests.support.behaviour import GREEDY, MODEL, SDKClients, one_process_answer, wait_for_status
+
+
+@pytest.fixture(scope="module")
+def model(tiny_v41_preset):
+    return tiny_v41_preset
+
+
+@pytest.fixture
+def url(service):
+    return service.url
+
+
+def png(width: int, height: int, seed: int = 0, kind: str = "PNG") -> bytes:
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, kind)
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def chat(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def recipe_prompt_tokens(model, endpoint: str, body: dict) -> int:
+    """The prompt's length by deepseek-recipe alone: its encoding (one placeholder per image) plus
+    its count of the images' tokens beyond their placeholders."""
+    from tokenizer_svc.protocol import ENDPOINTS
+
+    options = recipe.ConversionOptions().with_default_thinking_mode(False)  # as `deepmesh serve` runs
+    options = options.with_model_alias(MODEL, recipe.ModelVersion.DeepseekV41Flash)
+    converted = ENDPOINTS[endpoint][0](body).convert(options)
+    encoding = recipe.DeepseekV41Encoding().with_tokenizer(recipe.Tokenizer.from_file(str(model / "tokenizer.json")))
+    sources = encoding.render_conversation(converted.conversation).image_sources
+    resolver = recipe.ImageResolver(recipe.ReqwestImageFetcher(), recipe.OpenCvImagePreprocessor())
+    extra = resolver.resolve(sources, recipe.ImageQuota()).image_token_adjustment()
+    return len(encoding.encode(converted.conversation)) + extra
+
+
+def messages_body(body: dict) -> dict:
+    """An SDK call's keywords as the JSON body it sends (`extra_body` merged in)."""
+    return {k: v for k, v in body.items() if k != "extra_body"} | body.get("extra_body", {})
+
+
+def cached_after_repeat(prompt_tokens: int, keep: int) -> int:
+    """What a repeat of a V4.1 prompt reports as cached: the last block boundary before the
+    tokens it always computes (bounded replay, KEEP)."""
+    return (prompt_tokens - keep) // BLOCK_SIZE * BLOCK_SIZE
+
+
+class TestImages(SDKClients):
+    def test_the_openai_sdk_sends_an_image_counted_answered_and_cached_when_repeated(self, service, oai, model):
+        """A data URL through Chat Completions: usage counts the image's tokens as the recipe does,
+        the answer is a one-process run's, and the same image again reports cached tokens."""
+        messages = chat(
+            {"type": "text", "text": "What is in this picture?"}, image_part(data_url(png(1000, 800, seed=1)))
+        )
+        body = {"model": MODEL, "messages": messages, "max_tokens": 6, **GREEDY}
+        encoder = service.mesh.encoder
+        first = oai.chat.completions.create(**body)
+        encoded = encoder.encoded
+        expected = recipe_prompt_tokens(model, "chat.completions", messages_body(body))
+        assert expected > 300  # the image's tokens, not one placeholder
+        assert first.usage.prompt_tokens == expected
+        alone = one_process_answer(model, {**messages_body(body)})
+        assert first.choices[0].message.content == alone["choices"][0]["message"]["content"]
+        again = oai.chat.completions.create(**body)
+        keep = service.mesh.prefill.engine.config.prefill_keep_tokens
+        assert again.usage.prompt_tokens_details.cached_tokens == cached_after_repeat(expected, keep) > 0
+        assert again.choices[0].message.content == first.choices[0].message.content
+        assert encoder.encoded == encoded  # encoded once: the repeat found its rows in the cache
+
+    def test_prompts_that_differ_only_in_their_image_share_nothing_past_it(self, service, oai):
+        question = {"type": "text", "text": "Describe it. " * 40}
+        bodies = [
+            {"model": MODEL, "messages": chat(image_part(data_url(png(900, 700, seed=s))), question), "max_tokens": 2}
+            for s in (5, 6)
+        ]
+        oai.chat.completions.create(**bodies[0], **GREEDY)
+        other = oai.chat.completions.create(**bodies[1], **GREEDY)
+        # the image comes after a short system prefix: nothing a full block long is shared
+        assert not (other.usage.prompt_tokens_details and other.usage.prompt_tokens_details.cached_tokens)
+
+    def test_the_anthropic_sdk_sends_base64_image_blocks(self, service, claude, model):
+        image = base64.b64encode(png(1000, 800, seed=2)).decode()
+        content = [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": image}},
+            {"type": "text", "text": "What is this?"},
+        ]
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+        first = claude.messages.create(**body, thinking={"type": "disabled"}, extra_body={"temperature": 0})
+        expected = recipe_prompt_tokens(model, "messages", {**body, "thinking": {"type": "disabled"}})
+        assert first.usage.input_tokens == expected
+        again = claude.messages.create(**body, thinking={"type": "disabled"}, extra_body={"temperature": 0})
+        keep = service.mesh.prefill.engine.config.prefill_keep_tokens
+        assert again.usage.cache_read_input_tokens == cached_after_repeat(expected, keep) > 0
+        assert again.content[0].text == first.content[0].text
+
+    def test_responses_input_image(self, oai, model):
+        content = [{"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": data_url(png(64, 48))}]
+        body = {"model": MODEL, "input": [{"role": "user", "content": content}], "max_output_tokens": 16}
+        response = oai.responses.create(**body)
+        assert response.usage.input_tokens == recipe_prompt_tokens(model, "responses", body)
+
+    @pytest.mark.parametrize(
+        ("part", "problem"),
+        [
+            (image_part(data_url(b"\x89PNG\r\n\x1a\nnot an image")), "is corrupt or not an image"),
+            (image_part(data_url(png(64, 48)[:300])), "is truncated"),
+            (image_part(data_url(png(20, 20, kind="BMP"), "image/bmp")), "unsupported image"),
+            (image_part(data_url(png(20, 20, kind="BMP"))), "unsupported type"),  # a BMP that says it is a PNG
+            (image_part("data:image/png;base64,!!!"), "Invalid base64"),
+            (image_part("http://169.254.169.254/latest/meta-data/"), "public addresses only"),
+            (image_part("http://127.0.0.1:1/x.png"), "public addresses only"),
+            (image_part("http://[::ffff:10.0.0.1]/x.png"), "public addresses only"),
+            (image_part("file:///etc/passwd"), "image_url"),
+        ],
+        ids=[
+            "corrupt",
+            "truncated",
+            "bmp",
+            "bmp-as-png",
+            "bad-data-url",
+            "metadata-service",
+            "loopback",
+            "mapped-private",
+            "file",
+        ],
+    )
+    def test_a_bad_image_is_a_400_naming_it_while_a_good_request_is_answered(self, oai, part, problem):
+        answered = []
+        beside = threading.Thread(
+            target=lambda: answered.append(
+                oai.chat.completions.create(
+                    model=MODEL,
+                    messages=chat({"type": "text", "text": "and this?"}, image_part(data_url(png(64, 48, seed=9)))),
+                    max_tokens=3,
+                    **GREEDY,
+                )
+            )
+        )
+        beside.start()
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.chat.completions.create(model=MODEL, messages=chat({"type": "text", "text": "x"}, part), max_tokens=3)
+        beside.join(timeout=120)
+        assert refused.value.status_code == 400 and problem in refused.value.message
+        assert answered and answered[0].choices[0].finish_reason in ("stop", "length")
+
+    def test_too_many_images_is_a_400(self, oai):
+        parts = [image_part(data_url(png(20, 20, seed=i))) for i in range(17)]
+        with pytest.raises(openai.BadRequestError, match="at most 16"):
+            oai.chat.completions.create(model=MODEL, messages=chat(*parts), max_tokens=2)
+
+    def test_an_anthropic_image_url_to_the_metadata_service_is_a_400(self, claude):
+        content = [{"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/latest/"}}]
+        with pytest.raises(anthropic.BadRequestError, match="public addresses only"):
+            claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": content}])
+
+    def test_async_jobs_and_batches_carry_images(self, service, oai, model):
+        """An image through the async jobs API and through a batch (the OpenAI SDK's files and
+        batches), each answered as the same request sent alone, its image counted."""
+        body = {
+            "model": MODEL,
+            "messages": chat({"type": "text", "text": "What colour?"}, image_part(data_url(png(320, 240, seed=4)))),
+            "max_tokens": 4,
+            **messages_body(GREEDY),
+        }
+        alone = oai.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=4, **GREEDY)
+        job = httpx.post(f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}, timeout=30)
+        assert job.status_code == 202
+        done = wait_for_status(service.url, job.json()["id"], {"succeeded", "failed"})
+        assert done["status"] == "succeeded", done
+        assert done["result"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
+        assert (
+            done["usage"]["prompt_tokens"]
+            == alone.usage.prompt_tokens
+            == recipe_prompt_tokens(model, "chat.completions", body)
+        )
+        lines = [
+            {"custom_id": f"img-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(3)
+        ]
+        upload = oai.files.create(file=("images.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = oai.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = wait_for_batch(oai.batches.retrieve, batch.id, openai_ended)
+        assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+        for line in lines_of(oai, batch.output_file_id):
+            completion = openai.types.chat.ChatCompletion.model_validate(line["response"]["body"])
+            assert completion.choices[0].message.content == alone.choices[0].message.content
+            assert completion.usage.prompt_tokens == alone.usage.prompt_tokens
