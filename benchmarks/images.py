@@ -24,6 +24,7 @@ import argparse
 import base64
 import io
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,9 +43,9 @@ from engine.checkpoint.make_model import make_model
 from engine.model.vision import VisionConfig, VisionEncoder
 from gateway.app import create_app
 from gateway.jobs import JobStore
-from tests.support.behaviour import ServerThread
 from tokenizer_svc.images import ImagePolicy, ImageResolver
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, as chaos_soak.py
 MODEL_NAME = "deepmesh-tiny"
 SIZES = {"small (64x48 -> 630x476)": (64, 48), "large (1000x800 -> 1008x812)": (1000, 800)}
 
@@ -95,6 +96,8 @@ def encoding(model: Path, published: bool) -> None:
 
 
 def ttft(model: Path, rounds: int) -> None:
+    from tests.support.behaviour import ServerThread
+
     settings = Settings()
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)

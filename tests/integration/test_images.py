@@ -12,8 +12,10 @@ it is answered.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import threading
+import time
 
 import anthropic
 import deepseek_recipe as recipe
@@ -24,6 +26,8 @@ import pytest
 from PIL import Image
 
 from common.blocks import BLOCK_SIZE
+from common.messages import DeadLetter, Envelope
+from common.topics import Topic, topic_name
 from tests.support.batch_behaviour import jsonl, lines_of, openai_ended, wait_for_batch
 from tests.support.behaviour import GREEDY, MODEL, SDKClients, one_process_answer, wait_for_status
 
@@ -222,3 +226,27 @@ class TestImages(SDKClients):
             completion = openai.types.chat.ChatCompletion.model_validate(line["response"]["body"])
             assert completion.choices[0].message.content == alone.choices[0].message.content
             assert completion.usage.prompt_tokens == alone.usage.prompt_tokens
+
+    def test_an_encode_message_whose_bytes_are_not_its_image_goes_to_the_dead_letter_topic(self, service, oai):
+        """A record on `encode` (a public topic's neighbour: anyone on the broker can write one) whose
+        bytes do not hash to the digest it names is parked with the reason; the encoder goes on."""
+        digest = hashlib.sha256(b"one image").hexdigest()
+        prefill = {
+            "endpoint": "chat.completions",
+            "prompt_token_ids": [1, 2, 3],
+            "sampling": {"max_tokens": 1, "temperature": 0, "top_p": 1},
+            "images": [{"digest": digest, "start": 1, "num_tokens": 1}],
+        }
+        images = [{"digest": digest, "data": base64.b64encode(b"another image").decode()}]
+        envelope = Envelope(type="encode", job_id="forged-1", payload={"prefill": prefill, "images": images})
+        letters = service.bus.consumer([topic_name(Topic.DEAD_LETTER, service.prefix)], group="images-dlq")
+        service.bus.produce(topic_name(Topic.ENCODE, service.prefix), "forged-1", envelope.encode())
+        found, deadline = [], time.monotonic() + 60
+        while not found and time.monotonic() < deadline:
+            found = [DeadLetter.model_validate_json(r.value) for r in letters.poll(timeout=0.5) if r.key == "forged-1"]
+        letters.close()
+        assert found and "not the image the digest names" in found[0].reason
+        reply = oai.chat.completions.create(
+            model=MODEL, messages=chat(image_part(data_url(png(64, 48, seed=11)))), max_tokens=2, **GREEDY
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")

@@ -7,7 +7,7 @@ import pytest
 
 from common.prefixes import reported_entry
 from common.replicas import Dispatch, LoadReport, ReplicaTable
-from common.routing import Router, choose_decode, choose_prefill, resident_tokens
+from common.routing import Router, choose_decode, choose_encoder, choose_prefill, resident_tokens
 
 MODEL = "deepmesh-tiny"
 
@@ -104,3 +104,22 @@ def test_routers_that_read_the_same_reports_agree():
         assert len({choose_prefill(reports, {}, job, "default", PROMPT).replica for _ in range(3)}) == 1
     spread = {choose_prefill(reports, {}, f"job-{i}", "default", PROMPT).replica for i in range(40)}
     assert spread == set("abcd")  # ties do not all go to one replica
+
+
+def test_images_go_to_the_encoder_with_the_fewest_ahead_and_a_burst_spreads():
+    """Encoder replicas report the images they hold (`queued_tokens`); a job goes where fewest are
+    ahead of it, counting what was sent there since its report, and a silent one is left out."""
+    table = ReplicaTable()
+    for name, part, queued in (("a", 0, 7), ("b", 1, 0)):
+        table.update(
+            LoadReport(replica=name, stage="encoder", partitions=[part], consumed={part: 5}, queued_tokens=queued)
+        )
+    router = Router(table, "encoder")
+    chosen = []
+    for i in range(4):
+        route = router.encoder(f"job-{i}", 3)
+        router.sent(route, (route.partition, 5 + i))
+        chosen.append(route.replica)
+    assert chosen == ["b", "b", "b", "a"]  # b has 0, 3, then 6 ahead, fewer than a's 7; then 9
+    assert choose_encoder([], {}, "job", 1).reason == "no_replica"
+    assert table.live("prefill") == []  # the stages' reports stay apart
