@@ -164,7 +164,7 @@ class Codec:
         try:
             token_ids = self.encoding.encode(conversation_request.conversation)
             images = []
-            if resolved := self._images(model, conversation_request.conversation):
+            if resolved := self._images(conversation_request.conversation):
                 token_ids, images = placed(token_ids, self.image_placeholder, resolved)
             max_tokens = conversation_request.resolve_max_tokens(len(token_ids), self.context_limit)
             options = conversation_request.inference_options
@@ -213,7 +213,7 @@ class Codec:
             images=images,
         )
 
-    def _images(self, model: str, conversation: Any) -> list[ResolvedImage]:
+    def _images(self, conversation: Any) -> list[ResolvedImage]:
         """The conversation's images, resolved, in the order of their placeholders."""
         if self.images is None or not any(message.image_sources for message in conversation.messages):
             return []

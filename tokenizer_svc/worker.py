@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -38,10 +39,11 @@ from common.messages import (
 from common.replicas import ReplicaTable
 from common.routing import Router
 from common.topics import Topic
-from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span
+from common.tracing import Span, SpanKind, context_of, headers_of, job_span, start_span, within
 from common.worker import EarlyCancels, OnTheirWay, Worker
 from tokenizer_svc.completions import CompletionStream
 from tokenizer_svc.conversion import Prompt
+from tokenizer_svc.images import image_parts
 from tokenizer_svc.protocol import Codec, Event, OutputStream, ProtocolError
 
 
@@ -60,6 +62,19 @@ class _Job:
     held: list[Event] = field(default_factory=list)
 
 
+@dataclass
+class _Resolving:
+    """A request whose images are being fetched and resized, off the worker's thread."""
+
+    envelope: Envelope
+    request: RequestPayload
+    span: Span
+    prompt: Future[Prompt | ProtocolError]
+
+
+RESOLVE_THREADS = 4  # requests with images prepared at once
+
+
 class TokenizerWorker(Worker):
     topics = (Topic.REQUESTS, Topic.TOKENS)
     group = "tokenizer"
@@ -71,6 +86,8 @@ class TokenizerWorker(Worker):
         self.prefill_router = Router(replicas, "prefill") if replicas is not None else None
         self.encoder_router = Router(replicas, "encoder") if replicas is not None else None
         self.jobs: dict[str, _Job] = {}
+        self.resolving: dict[str, _Resolving] = {}  # requests with images, until their prompt is ready
+        self.resolver = ThreadPoolExecutor(RESOLVE_THREADS, thread_name_prefix="tokenizer-images")
         self.cancelled = EarlyCancels()  # jobs that ended before their start came
         # interactive jobs sent to prefill whose first tokens have not come back: while there are
         # any, engines in this process step no batch work (common/worker.run_workers)
@@ -123,6 +140,8 @@ class TokenizerWorker(Worker):
 
     def drop(self, job_id: str) -> bool:
         self.on_their_way.discard(job_id)
+        if (resolving := self.resolving.pop(job_id, None)) is not None:  # its prompt is dropped when ready
+            resolving.span.end()
         job = self.jobs.pop(job_id, None)
         if job is not None:
             job.span.end()
@@ -131,14 +150,41 @@ class TokenizerWorker(Worker):
     def _on_request(self, record: Record) -> None:
         envelope = decode(record.value, "request")
         request = payload_of(envelope, RequestPayload)
+        if self.codec.images is not None and image_parts(request.body):
+            # fetching and resizing images takes a while (a URL up to its time limit): on a thread,
+            # the record held until the prompt is ready, so that no other request waits for it
+            span = start_span("tokenizer.prompt", envelope.job_id, context_of(record.headers), SpanKind.CONSUMER)
+            prompted = self.resolver.submit(self._prompted, request)
+            self.resolving[envelope.job_id] = _Resolving(envelope, request, span, prompted)
+            self.watermarks.hold(record, envelope.job_id)
+            return
         with job_span("tokenizer.prompt", envelope.job_id, context_of(record.headers), SpanKind.CONSUMER) as span:
-            self._prompt(envelope, request, span)
+            self._prompt(envelope, request, span, self._prompted(request))
         self.watermarks.seen(record)
 
-    def _prompt(self, envelope: Envelope, request: RequestPayload, span: Span) -> None:
+    def idle(self) -> None:
+        """Send on the requests whose images are resolved."""
+        for job_id, resolving in [(j, r) for j, r in self.resolving.items() if r.prompt.done()]:
+            del self.resolving[job_id]
+            with within(resolving.span, job_id, end=True):
+                self._prompt(resolving.envelope, resolving.request, resolving.span, resolving.prompt.result())
+            self.watermarks.release(job_id)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.resolving)
+
+    def _prompted(self, request: RequestPayload) -> Prompt | ProtocolError:
+        try:
+            return self.codec.prompt(request.endpoint, request.body)
+        except ProtocolError as err:
+            return err
+
+    def _prompt(self, envelope: Envelope, request: RequestPayload, span: Span, prompt: Prompt | ProtocolError) -> None:
         """Send the request on to prefill, or its error to results: a request can only fail itself."""
         try:
-            prompt = self.codec.prompt(request.endpoint, request.body)
+            if isinstance(prompt, ProtocolError):
+                raise prompt
             prefill = PrefillPayload(
                 endpoint=request.endpoint,
                 prompt_token_ids=prompt.token_ids,

@@ -26,9 +26,16 @@ def jobs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def service(model, jobs, tmp_path_factory):
+def mesh_options() -> dict:
+    """More keyword arguments for the module's Mesh (a module overrides this fixture)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def service(model, jobs, tmp_path_factory, mesh_options):
     bus = MemoryBus(ClaimStore(tmp_path_factory.mktemp("claims")))  # as `deepmesh serve` runs it
-    mesh = Mesh(model, bus, scratch_store(tmp_path_factory.mktemp("state")), served_model=MODEL).start()
+    state = scratch_store(tmp_path_factory.mktemp("state"))
+    mesh = Mesh(model, bus, state, served_model=MODEL, **mesh_options).start()
     files_dir = tmp_path_factory.mktemp("files")
     app = create_app(bus, "deepmesh.", [MODEL], jobs, files_dir=str(files_dir), batch_rounds=0.2)
     with ServerThread(app) as server:

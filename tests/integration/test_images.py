@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.server
 import io
 import threading
 import time
+from collections.abc import Iterator
 
 import anthropic
 import deepseek_recipe as recipe
@@ -30,11 +32,36 @@ from common.messages import DeadLetter, Envelope
 from common.topics import Topic, topic_name
 from tests.support.batch_behaviour import jsonl, lines_of, openai_ended, wait_for_batch
 from tests.support.behaviour import GREEDY, MODEL, SDKClients, one_process_answer, wait_for_status
+from tokenizer_svc.images import ImagePolicy
 
 
 @pytest.fixture(scope="module")
 def model(tiny_v41_preset):
     return tiny_v41_preset
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """An image host on loopback that accepts connections and never answers."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+class Silent(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        time.sleep(30)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def mesh_options() -> dict:
+    """The image host above is the operator's allowed network; a fetch has 3 s."""
+    return {"image_policy": ImagePolicy(allowed_networks=("127.0.0.1/32",), total_seconds=3.0)}
 
 
 @pytest.fixture
@@ -150,7 +177,7 @@ class TestImages(SDKClients):
             (image_part(data_url(png(20, 20, kind="BMP"))), "unsupported type"),  # a BMP that says it is a PNG
             (image_part("data:image/png;base64,!!!"), "Invalid base64"),
             (image_part("http://169.254.169.254/latest/meta-data/"), "public addresses only"),
-            (image_part("http://127.0.0.1:1/x.png"), "public addresses only"),
+            (image_part("http://127.0.0.2:1/x.png"), "public addresses only"),
             (image_part("http://[::ffff:10.0.0.1]/x.png"), "public addresses only"),
             (image_part("file:///etc/passwd"), "image_url"),
         ],
@@ -184,6 +211,25 @@ class TestImages(SDKClients):
         beside.join(timeout=120)
         assert refused.value.status_code == 400 and problem in refused.value.message
         assert answered and answered[0].choices[0].finish_reason in ("stop", "length")
+
+    def test_an_image_url_that_never_answers_times_out_alone(self, oai, image_host):
+        """A slow image host holds its own request to the fetch's time limit and no other: a request
+        sent meanwhile is answered first."""
+        answered: list[float] = []
+
+        def beside() -> None:
+            time.sleep(0.5)  # once the slow one is being fetched
+            messages = chat({"type": "text", "text": "meanwhile"}, image_part(data_url(png(64, 48, seed=12))))
+            oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
+            answered.append(time.monotonic())
+
+        thread = threading.Thread(target=beside)
+        thread.start()
+        with pytest.raises(openai.BadRequestError, match="timed out"):
+            oai.chat.completions.create(model=MODEL, messages=chat(image_part(f"{image_host}/never.png")), max_tokens=2)
+        refused = time.monotonic()
+        thread.join(timeout=60)
+        assert answered and answered[0] < refused
 
     def test_too_many_images_is_a_400(self, oai):
         parts = [image_part(data_url(png(20, 20, seed=i))) for i in range(17)]
