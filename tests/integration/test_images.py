@@ -42,17 +42,25 @@ def model(tiny_v41_preset):
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    """An image host on loopback that accepts connections and never answers."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    """An image host on loopback: /photo.png is an image, anything else never answers."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ImageHost)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
 
 
-class Silent(http.server.BaseHTTPRequestHandler):
+class ImageHost(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        time.sleep(30)
+        if self.path != "/photo.png":
+            time.sleep(30)
+            return
+        body = png(700, 500, seed=21)
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -230,6 +238,29 @@ class TestImages(SDKClients):
         refused = time.monotonic()
         thread.join(timeout=60)
         assert answered and answered[0] < refused
+
+    def test_image_urls_are_fetched_for_both_sdks(self, oai, claude, image_host, model):
+        """An http URL (the image host is an allowed network here): the same image and count as the
+        same bytes sent as a data URL."""
+        url = f"{image_host}/photo.png"
+        question = {"type": "text", "text": "What is it?"}
+        by_url = chat(question, image_part(url))
+        by_data = chat(question, image_part(data_url(png(700, 500, seed=21))))
+        fetched = oai.chat.completions.create(model=MODEL, messages=by_url, max_tokens=3, **GREEDY)
+        sent = oai.chat.completions.create(model=MODEL, messages=by_data, max_tokens=3, **GREEDY)
+        assert fetched.usage.prompt_tokens == sent.usage.prompt_tokens > 200  # the image, not a placeholder
+        assert fetched.choices[0].message.content == sent.choices[0].message.content
+        source = {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": base64.b64encode(png(700, 500, seed=21)).decode(),
+        }
+        for image in ({"type": "url", "url": url}, source):
+            content = [{"type": "image", "source": image}, question]
+            body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": content}]}
+            message = claude.messages.create(**body, thinking={"type": "disabled"})
+            counted = recipe_prompt_tokens(model, "messages", {**body, "thinking": {"type": "disabled"}})
+            assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == counted
 
     def test_too_many_images_is_a_400(self, oai):
         parts = [image_part(data_url(png(20, 20, seed=i))) for i in range(17)]
