@@ -44,6 +44,8 @@ _PROBLEMS = {
     "InvalidUrl": "has a URL that is not http or https",
     "DestinationRejected": "has a URL whose address is not allowed",
 }
+# kinds whose recipe message says nothing more than _PROBLEMS does
+_GENERIC = {"Decode", "EmptyImage", "UnsupportedMediaType", "ImageDimensionsTooLarge", "InvalidDataUrl"}
 
 
 class ImageRequestError(ValueError):
@@ -206,10 +208,6 @@ def _described(err: recipe.ImageError) -> str:
     if problem is None or not where.startswith((".", "image[")):
         return f"an image cannot be used ({err.kind}): {err}"
     return f"{where.lstrip('.')} {problem}" + (f" ({detail})" if err.kind not in _GENERIC else "")
-
-
-# kinds whose recipe message says nothing more than _PROBLEMS does
-_GENERIC = {"Decode", "EmptyImage", "UnsupportedMediaType", "ImageDimensionsTooLarge", "InvalidDataUrl"}
 
 
 IMAGE_PARTS = {"image_url", "input_image", "image"}  # Chat Completions, Responses, Messages
