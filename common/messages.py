@@ -168,6 +168,9 @@ class PrefillPayload(BaseModel):
     retention: RetentionClass = "chat"
     priority: Priority = "interactive"
     images: list[ImageRef] = []  # encoded already: their rows are in the KV cache
+    # prompt positions whose state the conversation's next turn may start from (besides the end,
+    # the intervals and where the prompt leaves the stored blocks): prefill stores it there
+    anchors: list[int] = []
 
 
 class ImageBytes(BaseModel):

@@ -239,7 +239,7 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
             return
         try:
             with within(job.span, job_id):
-                job.cached_tokens, source = self._start(job_id, prompt, job.params, fetched)
+                job.cached_tokens, source = self._start(job_id, prompt, job.params, fetched, job.payload.anchors)
         except EngineError as err:
             with within(job.span, job_id, end=True):
                 self._fail(job_id, str(err), job.span)
@@ -253,12 +253,16 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         metrics.PREFIX_TOKENS.labels(source).inc(job.cached_tokens)
         metrics.PREFIX_TOKENS.labels("miss").inc(len(prompt) - job.cached_tokens)
 
-    def _start(self, job_id: str, prompt: list[int], params: SamplingParams, fetched: _Fetched) -> tuple[int, str]:
+    def _start(
+        self, job_id: str, prompt: list[int], params: SamplingParams, fetched: _Fetched, requested: list[int]
+    ) -> tuple[int, str]:
         """Add a job to the engine, from the longest prefix of its prompt at hand: loaded from the
         cache service, or held in the engine's own memory. Returns how many prompt tokens that
-        saved (0: a full prefill) and where they came from (hit, resident, or miss)."""
+        saved (0: a full prefill) and where they came from (hit, resident, or miss). `requested`:
+        more positions to store the prompt's state at (where the next turn leaves it)."""
         reusable = self.engine.reusable_prefix(len(prompt))
         anchors = anchor_positions(len(prompt), fetched.match.shared_tokens, self.anchor_interval, reusable)
+        anchors = sorted({*anchors, *(p for p in requested if 0 < p < len(prompt))})
         images = fetched.images
         if fetched.snapshot is not None:
             try:

@@ -43,6 +43,9 @@ class Prompt:
     traced: dict[str, str] = field(default_factory=dict)  # fields recorded on the request's trace only
     # the prompt's images (V4.1), in the order of their spans in token_ids (common/images.py)
     images: list[PlacedImage] = field(default_factory=list)
+    # positions where the conversation's next turn leaves this prompt: the state there is worth
+    # storing (the end of the last user input and its assistant tag; see Codec.next_turn_anchor)
+    anchors: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

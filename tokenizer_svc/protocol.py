@@ -85,6 +85,7 @@ class Codec:
         self.markup = Markup(think_end=self.think_end, dsml=self.decoder.token_to_id("｜DSML｜"))
         bos = self.decoder.token_to_id("<｜begin▁of▁sentence｜>") if add_bos else None
         self.completions = Completions(self.decoder, served_models, context_limit, self.stop_ids, bos)
+        self.assistant = self.decoder.token_to_id(recipe.SpecialToken.Assistant.default_str())
         self.images = images
         self.image_placeholder = self.decoder.token_to_id(recipe.SpecialToken.Image.default_str())
 
@@ -211,7 +212,17 @@ class Codec:
             top_k=extras.top_k,
             traced=dict(extras.traced),
             images=images,
+            anchors=self.next_turn_anchor(token_ids),
         )
+
+    def next_turn_anchor(self, token_ids: list[int]) -> list[int]:
+        """Where the next turn's prompt leaves this one: after the last assistant tag. What the
+        prompt has after it (`<think>` opening a reasoning turn, `</think>` one without) the next
+        turn renders otherwise (its history keeps the answer, not the reasoning), so the prompt's
+        own end is no prefix of it: the state after the tag is (DeepSeek's API caches at the end
+        of every user input for this reason)."""
+        tags = [i for i, token in enumerate(token_ids) if token == self.assistant]
+        return [tags[-1] + 1] if tags and tags[-1] + 1 < len(token_ids) else []
 
     def _images(self, conversation: Any) -> list[ResolvedImage]:
         """The conversation's images, resolved, in the order of their placeholders."""

@@ -207,6 +207,7 @@ class TokenizerWorker(Worker):
                 images=[
                     ImageRef(digest=p.image.digest, start=p.start, num_tokens=p.image.num_tokens) for p in prompt.images
                 ],
+                anchors=prompt.anchors,
             )
         except ProtocolError as err:
             self._refuse(envelope.job_id, err.status_code, json.loads(err.body), span)

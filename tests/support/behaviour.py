@@ -388,6 +388,27 @@ class GatewayBehaviour(SDKClients):
     def url(self, service) -> str:
         return service.url
 
+    @pytest.mark.parametrize("thinking", ["enabled", "disabled"])
+    def test_a_next_turn_starts_from_the_end_of_the_last_user_input(self, service, oai, claude, thinking):
+        """A turn's prompt ends with the assistant tag and `<think>` (reasoning) or `</think>`; the
+        next turn renders that turn as the tag, `</think>` and the answer, so the end of the first
+        prompt is no prefix of the second in thinking mode. The state after the tag is stored, and
+        the next turn starts there: all of the first prompt but its last token is cached, whichever
+        protocol sends the turns (a long enough second input leaves it within V4.1's reusable part)."""
+        mode = {"thinking": {"type": thinking}}
+        history = [{"role": "user", "content": f"{thinking}: tell me about message queues. " * 20}]
+        first = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0, extra_body=mode)
+        answer = first.choices[0].message.content or "(no answer)"
+        history += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And brokers? " * 60}]
+        second = claude.messages.create(model=MODEL, messages=history, max_tokens=2, **mode)
+        cached, prompt = second.usage.cache_read_input_tokens, second.usage.input_tokens
+        prompt += cached
+        assert prompt - 140 >= first.usage.prompt_tokens - 1  # within V4.1's reusable part too
+        if thinking == "enabled":
+            assert cached == first.usage.prompt_tokens - 1
+        else:  # the first prompt's end is a prefix here: its state, or the one decode kept after the answer
+            assert cached >= first.usage.prompt_tokens
+
     def test_chat_completions_stream_and_not_match_one_process(self, service, oai):
         body = {"model": MODEL, "messages": QUESTION, "max_tokens": 20, "temperature": 0}
         expected = one_process_answer(service.model, {**body, **GREEDY["extra_body"]})["choices"][0]
