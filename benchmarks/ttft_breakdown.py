@@ -1,0 +1,246 @@
+"""Where a served request's time to first token goes, hop by hop, read from its OTel spans.
+
+N streamed chat requests, one at a time, through the gateway (the OpenAI SDK over HTTP) on the
+embedded mesh and, with --distributed, on every service as its own process over Kafka. Every
+service writes its spans to one JSON-lines file (DEEPMESH_TRACE_EXPORTER=jsonl); for each
+request the script lines its spans up and splits the time from the gateway receiving the
+request to decode sending the first token into the hops between them:
+
+  gateway in       the HTTP request's span starts -> the request is produced to `requests`
+  to tokenizer     produced -> the tokenizer takes it (the bus)
+  tokenizer        deepseek-recipe's conversion and encoding
+  to prefill       the prompt produced to `prefill` -> prefill takes it (the bus; `encode` between
+                   them for a request with images)
+  prefill queue    prefill takes it -> its prefix lookup ends (the fetch thread, the engine's turn)
+  prefill          the lookup's end -> the hand-over's store starts (the engine computes the prompt)
+  state persist    the hand-over's store (the prompt's state, to the KV cache)
+  to decode        prefill sends the hand-over -> decode takes it
+  decode           decode takes it -> it sends the first token (the state's load, the first step)
+  result path      the first token sent -> the client reads the first chunk (tokenizer's output
+                   conversion, results, the gateway's stream), from the client's clock
+
+Prints the medians in ms and the share of the client's TTFT, and the engine alone's prefill of
+the same prompt (in this process) as the floor.
+
+    python benchmarks/ttft_breakdown.py [--requests 20] [--prompt-words 8] [--distributed] [--model D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests.support, as chaos_soak.py
+MODEL_NAME = "deepmesh-tiny"
+HOPS = (
+    "gateway in",
+    "to tokenizer",
+    "tokenizer",
+    "to prefill",
+    "prefill queue",
+    "prefill",
+    "state persist",
+    "to decode",
+    "decode",
+    "result path",
+)
+
+
+@contextmanager
+def embedded(model: Path, traces: Path) -> Iterator[str]:
+    from cache_svc.store import StateStore
+    from common.bus import MemoryBus
+    from common.settings import Settings
+    from common.tracing import setup_tracing
+    from deepmesh.mesh import Mesh
+    from gateway.app import create_app
+    from gateway.jobs import JobStore
+    from tests.support.behaviour import ServerThread
+
+    setup_tracing("serve", "jsonl", traces)
+    root = traces.parent
+    settings = Settings().model_copy(
+        update={"database_url": f"sqlite:///{root}/cache.db", "cache_dir": str(root / "kv")}
+    )
+    mesh = Mesh(model, MemoryBus(), StateStore.from_settings(settings), served_model=MODEL_NAME).start()
+    app = create_app(mesh.bus, "deepmesh.", [MODEL_NAME], JobStore(f"sqlite:///{root}/jobs.db"))
+    try:
+        with ServerThread(app) as server:
+            yield server.url
+    finally:
+        mesh.stop()
+
+
+@contextmanager
+def distributed(model: Path, traces: Path) -> Iterator[str]:
+    from tests.support.cluster import Cluster
+
+    # one torch thread in every process, as the tests run a cluster (tests/conftest.py): with a
+    # thread per core in each, every parallel op waits for a core another process holds
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    stack = subprocess.run([str(ROOT / "scripts" / "stack"), "up"], check=True, capture_output=True, text=True)
+    for line in stack.stdout.splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        os.environ[name] = value
+    cluster = Cluster(traces.parent, model)
+    cluster.traces = traces
+    cluster.env["DEEPMESH_TRACE_FILE"] = str(traces)
+    cluster.env["DEEPMESH_LOG_LEVEL"] = "WARNING"
+    try:
+        cluster.start(("cache", "gateway", "tokenizer", "prefill", "decode"))
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+def first_chunk(client: openai.OpenAI, i: int, words: int) -> tuple[float, float]:
+    """(wall-clock time sent, seconds to the first chunk) of one streamed request."""
+    question = " ".join(["why"] * words) + f" {i}?"
+    sent, started = time.time(), time.perf_counter()
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=2,  # a first token that is not the last: the request goes through decode
+        temperature=0,
+        stream=True,
+        extra_body={"thinking": {"type": "disabled"}},
+    )
+    ttft = None
+    for _ in stream:
+        ttft = ttft or time.perf_counter() - started
+    assert ttft is not None
+    return sent, ttft
+
+
+def spans_by_job(traces: Path) -> dict[str, list[dict]]:
+    spans = [json.loads(line) for line in traces.read_text().splitlines() if line.strip()]
+    by_trace: dict[str, list[dict]] = {}
+    for span in spans:
+        by_trace.setdefault(span["trace_id"], []).append(span)
+    jobs = {}
+    for trace in by_trace.values():
+        job = next(
+            (s["attributes"].get("deepmesh.job_id") for s in trace if "deepmesh.job_id" in s["attributes"]), None
+        )
+        if job is not None:
+            jobs[job] = sorted(trace, key=lambda s: s["start_ns"])
+    return jobs
+
+
+def hops(trace: list[dict], client_ttft: float) -> dict[str, float] | None:
+    """The request's hops in ms (None: a trace without the spans of a prefilled, decoded request)."""
+
+    def first(name: str, after: int = 0) -> dict | None:
+        return next((s for s in trace if s["name"] == name and s["start_ns"] >= after), None)
+
+    http = next((s for s in trace if s["kind"] == "SERVER"), None)
+    sent_requests, tokenizer = first("send requests"), first("tokenizer.prompt")
+    sent_prefill, prefill = first("send prefill"), first("prefill")
+    if None in (http, sent_requests, tokenizer, sent_prefill, prefill):
+        return None
+    lookup = first("cache.lookup", prefill["start_ns"])
+    sent_decode, decode = first("send decode", prefill["start_ns"]), first("decode", prefill["start_ns"])
+    if None in (lookup, sent_decode, decode):
+        return None
+    persists = [s for s in trace if s["name"] == "cache.put_prefix" and s["end_ns"] <= sent_decode["start_ns"]]
+    persist = persists[-1] if persists else None
+    first_token = first("send tokens", decode["start_ns"])
+    if persist is None or first_token is None:
+        return None
+    marks = [
+        http["start_ns"],
+        sent_requests["start_ns"],
+        tokenizer["start_ns"],
+        sent_prefill["start_ns"],
+        prefill["start_ns"],
+        lookup["end_ns"],
+        persist["start_ns"],
+        persist["end_ns"],
+        decode["start_ns"],
+        first_token["end_ns"],
+    ]
+    # "to decode" runs from the store's end: prefill sends the hand-over once it is stored
+    times = {hop: (b - a) / 1e6 for hop, a, b in zip(HOPS, marks, marks[1:], strict=False)}
+    times["result path"] = client_ttft * 1000 - (first_token["end_ns"] - http["start_ns"]) / 1e6
+    return times
+
+
+def engine_alone(model: Path, words: int, requests: int) -> float:
+    """The engine's prefill and first token for the same prompt, in this process (ms, median)."""
+    from engine import LLMEngine, SamplingParams
+    from tokenizer_svc.protocol import Codec
+
+    codec = Codec.for_model(model, MODEL_NAME)
+    engine = LLMEngine.from_pretrained(model)
+    times = []
+    for i in range(requests):
+        question = " ".join(["why"] * words) + f" {i}?"
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": question}],
+            "thinking": {"type": "disabled"},
+        }
+        prompt = codec.prompt("chat.completions", body).token_ids
+        started = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times[1:])
+
+
+def run(mode: str, model: Path, requests: int, words: int) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        traces = Path(scratch) / "traces.jsonl"
+        serve = embedded if mode == "embedded" else distributed
+        with serve(model, traces) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
+            first_chunk(client, -1, words)  # warm
+            measured = [first_chunk(client, i, words) for i in range(requests)]
+            time.sleep(1.0)  # the last spans written
+        jobs = spans_by_job(traces)
+        rows = []
+        for sent, ttft in measured:
+            # a request's trace: the one whose gateway span started closest after it was sent
+            trace = min(jobs.values(), key=lambda t: abs(t[0]["start_ns"] / 1e9 - sent))
+            if (row := hops(trace, ttft)) is not None:
+                rows.append(row | {"client TTFT": ttft * 1000})
+    print(f"\n{mode}: {len(rows)} of {requests} requests traced whole (medians: they need not add up)")
+    total = statistics.median(r["client TTFT"] for r in rows)
+    print("| hop | median (ms) | share of TTFT |\n| --- | ---: | ---: |")
+    for hop in (*HOPS, "client TTFT"):
+        value = statistics.median(r[hop] for r in rows)
+        print(f"| {hop} | {value:.1f} | {value / total:.0%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--prompt-words", type=int, default=8, help="a prompt of about this many + 8 tokens")
+    parser.add_argument("--distributed", action="store_true")
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from engine.checkpoint.make_model import make_model
+
+        model = ROOT / ".cache" / "models" / "bench-tiny"
+        if not (model / "config.json").is_file():
+            make_model(model, "tiny", seed=0)
+    print(f"engine alone (prefill and first token, this process): {engine_alone(model, args.prompt_words, 10):.1f} ms")
+    for mode in ("embedded", *(("distributed",) if args.distributed else ())):
+        run(mode, model, args.requests, args.prompt_words)
+
+
+if __name__ == "__main__":
+    main()
