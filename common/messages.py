@@ -217,6 +217,9 @@ class DecodePayload(BaseModel):
     priority: Priority = "interactive"
     prefilled_by: str | None = None  # the prefill replica: it may hold the finished conversation for its next turn
     images: list[ImageRef] = []  # the prompt's images, whose rows a recompute of the prompt reads
+    # prefill sent the first token on `tokens` itself (seq 0, with the prompt's counts): decode
+    # sends the ones after it; False, decode sends it too
+    first_sent: bool = False
 
 
 class WarmPayload(BaseModel):

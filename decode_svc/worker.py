@@ -43,7 +43,7 @@ class _Job:
     span: Span  # from the job's arrival to its last token
     record: Record
     headers: dict[str, bytes] = field(default_factory=dict)  # the span's context, on every tokens message
-    sent: int = 1  # tokens sent: the first (prefill's) goes out with the start when the job joins the engine
+    sent: int = 1  # tokens sent: the first is prefill's, sent by prefill (or here when the job joins, if it did not)
     fetch: Future[StateSnapshot | None] | None = None  # until its state has been loaded (or found gone)
 
 
@@ -169,6 +169,8 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
             return
         job.span.set_attribute("deepmesh.state", outcome)
         metrics.STATE_HANDOFFS.labels(outcome).inc()
+        if payload.first_sent:
+            return
         seq0 = TokensPayload(
             prompt_tokens=len(payload.prompt_token_ids),
             cached_tokens=payload.cached_tokens,

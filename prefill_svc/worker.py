@@ -344,7 +344,18 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         stored = self._store_prefix(job_id, job, snapshot, lease=True)
         logprobs = out.token_logprobs()
         first_logprobs = logprobs[0] if logprobs else None
-        job.hand_over = _HandOver(first, first_logprobs, self._prompt_logprobs(job), seed, snapshot.layout, stored)
+        prompt_logprobs = self._prompt_logprobs(job)
+        # the first token goes out now: the hand-over (the store, the bus, decode's load) overlaps
+        # with it instead of standing before it; decode sends the tokens after it
+        first_tokens = TokensPayload(
+            prompt_tokens=len(prompt),
+            cached_tokens=job.cached_tokens,
+            token_ids=[first],
+            logprobs=[first_logprobs] if first_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
+        )
+        self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=first_tokens.model_dump()), job.span)
+        job.hand_over = _HandOver(first, first_logprobs, prompt_logprobs, seed, snapshot.layout, stored)
 
     def _prompt_logprobs(self, job: _Job) -> list[TokenLogprobs | None] | None:
         """The prompt tokens' logprobs, when the job asks: one more pass over the whole prompt
@@ -395,6 +406,7 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
             priority=job.payload.priority,
             prefilled_by=self.replica,
             images=job.payload.images,
+            first_sent=True,
         )
         envelope = Envelope(type="decode", job_id=job_id, payload=handoff.model_dump())
         if self.decode_router is None:

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from common.bus import Bus, KafkaBus, MemoryBus
-from common.messages import DeadLetter
+from common.messages import DeadLetter, ResultPayload, decode
 from common.topics import Topic, topic_name
 from deepmesh.mesh import Mesh
 from engine import LLMEngine
@@ -187,3 +187,47 @@ def test_a_decode_worker_dying_mid_job_loses_and_repeats_nothing(tiny_preset, tm
     assert message == expected["choices"][0]["message"]
     assert results[-1].body["usage"]["completion_tokens"] == 24
     assert replacement.loaded == 1  # the survivor resumed from the cached prefill state
+
+
+class SlowHandOvers:
+    """A KV cache whose stores of prompt states take `seconds` (a slow disk or network: a fault
+    this test cannot make for real at will); everything else is the real store's."""
+
+    def __init__(self, store, seconds: float):
+        self.store, self.seconds = store, seconds
+
+    def put_prefix(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return self.store.put_prefix(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
+def test_the_first_token_does_not_wait_for_the_hand_over(tiny_preset, tmp_path):
+    """Prefill sends the first token as soon as it is sampled; storing the prompt's state for decode
+    (here 2 s a store) delays the tokens after it, not the first."""
+    bus = MemoryBus()
+    prefix = f"overlap{uuid.uuid4().hex[:8]}."
+    mesh = Mesh(tiny_preset, bus, SlowHandOvers(scratch_store(tmp_path), 2.0), topic_prefix=prefix, partitions=2)
+    mesh.prefix = prefix
+    mesh.start()
+    try:
+        results = bus.consumer([topic_name(Topic.RESULTS, prefix)], group="overlap-client")
+        started = time.monotonic()
+        job_id = submit(mesh, "chat.completions", {**BODIES["chat.completions"], "stream": True, "max_tokens": 4})
+        first = done = None
+        while done is None and time.monotonic() - started < 60:
+            for record in results.poll(timeout=0.2):
+                result = ResultPayload.model_validate(decode(record.value, "result").payload)
+                if record.key != job_id:
+                    continue
+                if first is None and result.events:  # the role chunk: it goes out with the first token
+                    first = time.monotonic() - started
+                if result.done:
+                    done = time.monotonic() - started
+        results.close()
+    finally:
+        mesh.stop()
+    assert done is not None and done >= 2.0  # the rest waited for the hand-over's store
+    assert first is not None and first < 1.5, first

@@ -1002,11 +1002,14 @@ class GatewayBehaviour(SDKClients):
     def test_cancelling_a_job_stops_decode_and_frees_its_state(self, service):
         body = {"model": MODEL, "messages": QUESTION, "max_tokens": 3000, "thinking": {"type": "disabled"}}
         job = httpx.post(f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": body}).json()
-        wait_for_status(service.url, job["id"], {"running"})
-        assert service.decode_running() == 1
-        # prefill's hand-over pinned the prompt's cache entry for this job; decode's load unpinned it
-        assert not service.pinned_by(job["id"])
-        cancelled = httpx.delete(f"{service.url}/v1/jobs/{job['id']}").json()
+        try:
+            # running once its first token is out (prefill sends it, the hand-over follows)
+            wait_for_status(service.url, job["id"], {"running"})
+            eventually(lambda: service.decode_running() == 1, 30, "decode never took the job")
+            # prefill's hand-over pinned the prompt's cache entry for this job; decode's load unpins it
+            eventually(lambda: not service.pinned_by(job["id"]), 30, "decode's load left the hand-over pinned")
+        finally:
+            cancelled = httpx.delete(f"{service.url}/v1/jobs/{job['id']}").json()
         assert cancelled["status"] == "cancelled"
         eventually(lambda: service.decode_running() == 0, 30, "decode kept the cancelled job")
         time.sleep(0.5)
