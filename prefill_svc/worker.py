@@ -318,44 +318,36 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
 
     def _prefilled(self, out: RequestOutput, job: _Job) -> None:
-        """A job has its first token: send it straight out when it is also the last, else store
-        its state for decode (the job goes on once it is stored: `_send_stored`)."""
+        """A job has its first token: it goes out now. Done at it, the job ends here; else its
+        state is stored for decode (the job goes on once it is stored: `_send_stored`), and the
+        hand-over (the store, the bus, decode's load) overlaps with the first token instead of
+        standing before it: decode sends the tokens after it."""
         job_id, first, prompt = out.request_id, out.new_token_ids[0], job.payload.prompt_token_ids
-        if out.finished:  # done at the first token: no decode needed
-            tokens = TokensPayload(
-                prompt_tokens=len(prompt),
-                cached_tokens=job.cached_tokens,
-                token_ids=[first],
-                logprobs=out.token_logprobs(),
-                prompt_logprobs=self._prompt_logprobs(job),
-                finished=True,
-                finish_reason=out.finish_reason,
-            )
-            with within(job.span, job_id, end=True):
-                self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
+        if not out.finished:
+            snapshot = self.engine.export_state(job_id)
+            seed = self.engine.request_seed(job_id)
+            self.engine.abort(job_id)  # its state is in the snapshot: the engine's room is free now
+            # The prompt's anchor is also the hand-over: leased to this job until decode has loaded it.
+            stored = self._store_prefix(job_id, job, snapshot, lease=True)
+        logprobs = out.token_logprobs()
+        tokens = TokensPayload(
+            prompt_tokens=len(prompt),
+            cached_tokens=job.cached_tokens,
+            token_ids=[first],
+            logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(job),
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+        )
+        with within(job.span, job_id, end=out.finished):
+            self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=tokens.model_dump()), job.span)
+        if out.finished:
             if out.final_state is not None:
                 self._store_prefix(job_id, job, out.final_state)
             self._done(job_id)
             return
-        snapshot = self.engine.export_state(job_id)
-        seed = self.engine.request_seed(job_id)
-        self.engine.abort(job_id)  # its state is in the snapshot: the engine's room is free now
-        # The prompt's anchor is also the hand-over: leased to this job until decode has loaded it.
-        stored = self._store_prefix(job_id, job, snapshot, lease=True)
-        logprobs = out.token_logprobs()
         first_logprobs = logprobs[0] if logprobs else None
-        prompt_logprobs = self._prompt_logprobs(job)
-        # the first token goes out now: the hand-over (the store, the bus, decode's load) overlaps
-        # with it instead of standing before it; decode sends the tokens after it
-        first_tokens = TokensPayload(
-            prompt_tokens=len(prompt),
-            cached_tokens=job.cached_tokens,
-            token_ids=[first],
-            logprobs=[first_logprobs] if first_logprobs is not None else None,
-            prompt_logprobs=prompt_logprobs,
-        )
-        self.hop(Topic.TOKENS, Envelope(type="tokens", job_id=job_id, payload=first_tokens.model_dump()), job.span)
-        job.hand_over = _HandOver(first, first_logprobs, prompt_logprobs, seed, snapshot.layout, stored)
+        job.hand_over = _HandOver(first, first_logprobs, tokens.prompt_logprobs, seed, snapshot.layout, stored)
 
     def _prompt_logprobs(self, job: _Job) -> list[TokenLogprobs | None] | None:
         """The prompt tokens' logprobs, when the job asks: one more pass over the whole prompt
