@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 IMAGE_ID_BASE = 1 << 31  # above any vocabulary; ids stay uint32, as prefix keys encode them
@@ -39,14 +38,6 @@ def image_key(namespace: str, digest: str) -> str:
     namespace_of: the encoder's weights and the tenant, so that one tenant's images never answer
     another's, and rows of one encoder never another's)."""
     return "image-" + hashlib.sha256(f"{namespace}\0{digest}".encode()).hexdigest()
-
-
-def is_image_token(token_id: int) -> bool:
-    return token_id >= IMAGE_ID_BASE
-
-
-def count_image_tokens(token_ids: Sequence[int]) -> int:
-    return sum(1 for t in token_ids if t >= IMAGE_ID_BASE)
 
 
 @dataclass(frozen=True)

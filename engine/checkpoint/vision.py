@@ -23,14 +23,6 @@ from engine.model.vision import VisionConfig, VisionEncoder
 logger = logging.getLogger(__name__)
 
 
-def vision_config(path: str | Path) -> VisionConfig | None:
-    """The checkpoint's vision tower config; None for a text-only model (no `vision_config`)."""
-    config = read_config(path)
-    if not isinstance(config, V41Config) or not config.vision_config:
-        return None
-    return VisionConfig.from_dict(config.vision_config)
-
-
 def load_vision_encoder(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> VisionEncoder | None:
