@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,13 +26,6 @@ sys.path.insert(0, str(ROOT))
 # one torch thread in every process of the cluster, as in the tests (tests/conftest.py): with a
 # thread per core in each of a dozen processes, every parallel op waits for a core another holds
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def _stack_env() -> None:
-    out = subprocess.run([str(ROOT / "scripts" / "stack"), "up"], check=True, capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        os.environ[name] = value
 
 
 def main() -> None:
@@ -48,7 +40,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos_soak.json")
     args = parser.parse_args()
 
-    _stack_env()
+    from tests.support.cluster import stack_up
+
+    stack_up()
     import random
 
     from engine.checkpoint.make_model import make_model

@@ -34,15 +34,9 @@ import openai
 import torch
 from PIL import Image
 
-from cache_svc.store import StateStore
-from common.bus import MemoryBus
-from common.settings import Settings
-from deepmesh.mesh import Mesh
 from engine import load_vision_encoder
 from engine.checkpoint.make_model import make_model
 from engine.model.vision import VisionConfig, VisionEncoder
-from gateway.app import create_app
-from gateway.jobs import JobStore
 from tokenizer_svc.images import ImagePolicy, ImageResolver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, as chaos_soak.py
@@ -96,32 +90,22 @@ def encoding(model: Path, published: bool) -> None:
 
 
 def ttft(model: Path, rounds: int) -> None:
-    from tests.support.behaviour import ServerThread
+    from tests.support.behaviour import served_embedded
 
-    settings = Settings()
-    with tempfile.TemporaryDirectory() as scratch:
-        root = Path(scratch)
-        store_settings = settings.model_copy(
-            update={"database_url": f"sqlite:///{root}/cache.db", "cache_dir": str(root / "kv")}
-        )
-        mesh = Mesh(model, MemoryBus(), StateStore.from_settings(store_settings), served_model=MODEL_NAME)
-        mesh.start()
-        app = create_app(mesh.bus, "deepmesh.", [MODEL_NAME], JobStore(f"sqlite:///{root}/jobs.db"))
-        with ServerThread(app) as server:
-            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
-            times: dict[str, list[float]] = {"cold": [], "image cached": [], "repeat": []}
-            seed = 100
-            for round_ in range(rounds + 1):  # the first round warms up and is not counted
-                seed += 1
-                image = png(1000, 800, seed)
-                kinds = [("cold", f"Round {round_}: what is in it?", image)]
-                kinds.append(("image cached", f"Another question, round {round_}: describe it.", image))
-                kinds.append(("repeat", f"Round {round_}: what is in it?", image))
-                for kind, text, data in kinds:
-                    elapsed = first_chunk(client, text, data)
-                    if round_:
-                        times[kind].append(elapsed)
-            mesh.stop()
+    with tempfile.TemporaryDirectory() as scratch, served_embedded(model, Path(scratch)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        times: dict[str, list[float]] = {"cold": [], "image cached": [], "repeat": []}
+        seed = 100
+        for round_ in range(rounds + 1):  # the first round warms up and is not counted
+            seed += 1
+            image = png(1000, 800, seed)
+            kinds = [("cold", f"Round {round_}: what is in it?", image)]
+            kinds.append(("image cached", f"Another question, round {round_}: describe it.", image))
+            kinds.append(("repeat", f"Round {round_}: what is in it?", image))
+            for kind, text, data in kinds:
+                elapsed = first_chunk(client, text, data)
+                if round_:
+                    times[kind].append(elapsed)
     cold = statistics.median(times["cold"])
     print("\n| image request | TTFT median (ms) | vs cold |\n| --- | ---: | ---: |")
     for kind, values in times.items():

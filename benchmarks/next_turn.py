@@ -26,14 +26,8 @@ from pathlib import Path
 
 import openai
 
-from cache_svc.store import StateStore
-from common.bus import MemoryBus
-from common.settings import Settings
-from deepmesh.mesh import Mesh
 from engine.checkpoint.make_model import make_model
 from engine.families import read_config
-from gateway.app import create_app
-from gateway.jobs import JobStore
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.support, as chaos_soak.py
@@ -42,33 +36,17 @@ MODEL_NAME = "deepmesh-tiny"
 
 @contextmanager
 def embedded(model: Path) -> Iterator[str]:
-    from tests.support.behaviour import ServerThread
+    from tests.support.behaviour import served_embedded
 
-    with tempfile.TemporaryDirectory() as scratch:
-        root = Path(scratch)
-        settings = Settings().model_copy(
-            update={"database_url": f"sqlite:///{root}/cache.db", "cache_dir": str(root / "kv")}
-        )
-        mesh = Mesh(model, MemoryBus(), StateStore.from_settings(settings), served_model=MODEL_NAME).start()
-        app = create_app(mesh.bus, "deepmesh.", [MODEL_NAME], JobStore(f"sqlite:///{root}/jobs.db"))
-        try:
-            with ServerThread(app) as server:
-                yield server.url
-        finally:
-            mesh.stop()
+    with tempfile.TemporaryDirectory() as scratch, served_embedded(model, Path(scratch)) as url:
+        yield url
 
 
 @contextmanager
 def distributed(model: Path) -> Iterator[str]:
-    import os
-    import subprocess
+    from tests.support.cluster import Cluster, stack_up
 
-    from tests.support.cluster import Cluster
-
-    stack = subprocess.run([str(ROOT / "scripts" / "stack"), "up"], check=True, capture_output=True, text=True)
-    for line in stack.stdout.splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        os.environ[name] = value
+    stack_up()
     with tempfile.TemporaryDirectory() as scratch:
         cluster = Cluster(Path(scratch), model)
         try:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,40 +61,22 @@ OVERLAPPED = ("state persist", "to decode", "decode")
 
 @contextmanager
 def embedded(model: Path, traces: Path) -> Iterator[str]:
-    from cache_svc.store import StateStore
-    from common.bus import MemoryBus
-    from common.settings import Settings
     from common.tracing import setup_tracing
-    from deepmesh.mesh import Mesh
-    from gateway.app import create_app
-    from gateway.jobs import JobStore
-    from tests.support.behaviour import ServerThread
+    from tests.support.behaviour import served_embedded
 
     setup_tracing("serve", "jsonl", traces)
-    root = traces.parent
-    settings = Settings().model_copy(
-        update={"database_url": f"sqlite:///{root}/cache.db", "cache_dir": str(root / "kv")}
-    )
-    mesh = Mesh(model, MemoryBus(), StateStore.from_settings(settings), served_model=MODEL_NAME).start()
-    app = create_app(mesh.bus, "deepmesh.", [MODEL_NAME], JobStore(f"sqlite:///{root}/jobs.db"))
-    try:
-        with ServerThread(app) as server:
-            yield server.url
-    finally:
-        mesh.stop()
+    with served_embedded(model, traces.parent) as url:
+        yield url
 
 
 @contextmanager
 def distributed(model: Path, traces: Path) -> Iterator[str]:
-    from tests.support.cluster import Cluster
+    from tests.support.cluster import Cluster, stack_up
 
     # one torch thread in every process, as the tests run a cluster (tests/conftest.py): with a
     # thread per core in each, every parallel op waits for a core another process holds
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    stack = subprocess.run([str(ROOT / "scripts" / "stack"), "up"], check=True, capture_output=True, text=True)
-    for line in stack.stdout.splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        os.environ[name] = value
+    stack_up()
     cluster = Cluster(traces.parent, model)
     cluster.traces = traces
     cluster.env["DEEPMESH_TRACE_FILE"] = str(traces)

@@ -90,6 +90,25 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
+@contextmanager
+def served_embedded(model: Path, root: Path) -> Iterator[str]:
+    """The embedded mesh (`deepmesh serve`'s one process) on `model`, its cache and job state under
+    `root`, behind the gateway on a free port: its URL (the benchmarks' served API)."""
+    from cache_svc.store import StateStore
+    from common.settings import Settings
+    from deepmesh.mesh import Mesh
+    from gateway.jobs import JobStore
+
+    stores = {"database_url": f"sqlite:///{root}/cache.db", "cache_dir": str(root / "kv")}
+    mesh = Mesh(model, MemoryBus(), StateStore.from_settings(Settings().model_copy(update=stores)), served_model=MODEL)
+    mesh.start()
+    try:
+        with ServerThread(create_app(mesh.bus, "deepmesh.", [MODEL], JobStore(f"sqlite:///{root}/jobs.db"))) as server:
+            yield server.url
+    finally:
+        mesh.stop()
+
+
 def one_process_answer(model: Path, body: dict, endpoint: str = "chat.completions") -> dict:
     """The complete response to a greedy request, computed by the engine in this process."""
     return one_process_answers(model, [(endpoint, body)])[0]

@@ -17,6 +17,17 @@ import httpx
 from tests.support.behaviour import MODEL
 from tests.support.infra import SESSION_TIMEOUT_MS, free_port, fresh_database, require_service, wait_until_up
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def stack_up() -> None:
+    """Kafka, PostgreSQL and Redis as `make test` starts them (`scripts/stack up`), their addresses in
+    this process's environment: for a script that runs a cluster outside the test suite."""
+    out = subprocess.run([str(ROOT / "scripts" / "stack"), "up"], check=True, capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        os.environ[name] = value
+
 
 class Cluster:
     """Services as OS processes, sharing one topic prefix; logs and traces under `root`."""
