@@ -25,7 +25,13 @@ and, beside the first token, the hand-over that the second token waits for:
 Prints the medians in ms and the share of the client's TTFT, and the engine alone's prefill of
 the same prompt (in this process) as the floor.
 
-    python benchmarks/ttft_breakdown.py [--requests 20] [--prompt-words 8] [--distributed] [--model D]
+Then the issue's measure of what the mesh adds: the same token ids (`--lengths`, a fresh prompt
+each round, so that no round is a cache hit) through /v1/completions with max_tokens 1, streamed,
+against the engine alone in this process (`generate`, max_tokens 1, before the mesh starts):
+medians, the difference and the ratio.
+
+    python benchmarks/ttft_breakdown.py [--requests 20] [--prompt-words 8] [--lengths 16 2048]
+        [--distributed] [--model D]
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ def embedded(model: Path, traces: Path) -> Iterator[str]:
     from common.tracing import setup_tracing
     from tests.support.behaviour import served_embedded
 
-    setup_tracing("serve", "jsonl", traces)
+    setup_tracing("serve", "jsonl", traces)  # the default exporter
     with served_embedded(model, traces.parent) as url:
         yield url
 
@@ -183,11 +189,72 @@ def engine_alone(model: Path, words: int, requests: int) -> float:
     return statistics.median(times[1:])
 
 
-def run(mode: str, model: Path, requests: int, words: int) -> None:
+def fresh_prompts(length: int, rounds: int, vocab: int) -> list[list[int]]:
+    """`rounds` prompts of `length` token ids that share no first block (a fresh prefill each)."""
+    import random
+
+    generator = random.Random(length)
+    return [[generator.randrange(1000, vocab) for _ in range(length)] for _ in range(rounds)]
+
+
+def alone_ttft(model: Path, prompts: list[list[int]], threads: int) -> list[float]:
+    """ms from `generate` to its one token, per prompt (the first, a warm-up, left out), on
+    `threads` torch threads (the served engine's)."""
+    import torch
+
+    from engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_pretrained(model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times = []
+    try:
+        for prompt in prompts:
+            started = time.perf_counter()
+            engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+            times.append((time.perf_counter() - started) * 1000)
+    finally:
+        torch.set_num_threads(before)
+    return times[1:]
+
+
+def served_ttft(url: str, prompts: list[list[int]]) -> list[float]:
+    """ms from sending a streamed /v1/completions (max_tokens 1) to its first chunk, per prompt."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
+    times = []
+    for prompt in prompts:
+        started = time.perf_counter()
+        stream = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, stream=True)
+        ttft = None
+        for _ in stream:
+            ttft = ttft or time.perf_counter() - started
+        assert ttft is not None
+        times.append(ttft * 1000)
+    return times[1:]
+
+
+def print_added(mode: str, alone: dict[int, list[float]], served: dict[int, list[float]], threads: int) -> None:
+    print(f"\n{mode}: TTFT of the same token ids, served (/v1/completions, max_tokens 1) and the engine alone")
+    print(f"(the engine alone in this process on {threads} torch thread(s), as the served prefill)")
+    print("| prompt tokens | engine alone (ms) | served (ms) | added (ms) | ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for length in alone:
+        base, mesh = statistics.median(alone[length]), statistics.median(served[length])
+        print(f"| {length} | {base:.1f} | {mesh:.1f} | {mesh - base:+.1f} | {mesh / base:.2f}x |")
+
+
+def run(mode: str, model: Path, requests: int, words: int, lengths: list[int], vocab: int) -> None:
+    serve = embedded if mode == "embedded" else distributed
+    prompts = {length: fresh_prompts(length, 1 + max(3, requests // 2), vocab) for length in lengths}
+    import torch
+
+    # the engine alone with the served prefill's torch threads: the cluster gives every process one
+    threads = torch.get_num_threads() if mode == "embedded" else 1
+    alone = {length: alone_ttft(model, prompts[length], threads) for length in lengths}
     with tempfile.TemporaryDirectory() as scratch:
         traces = Path(scratch) / "traces.jsonl"
-        serve = embedded if mode == "embedded" else distributed
         with serve(model, traces) as url:
+            served = {length: served_ttft(url, prompts[length]) for length in lengths}
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
             first_chunk(client, -1, words)  # warm
             measured = [first_chunk(client, i, words) for i in range(requests)]
@@ -208,6 +275,7 @@ def run(mode: str, model: Path, requests: int, words: int) -> None:
     print("| after the first token, the hand-over: | | |")
     for hop in OVERLAPPED:
         print(f"| {hop} | {statistics.median(r[hop] for r in rows):.1f} | |")
+    print_added(mode, alone, served, threads)
 
 
 def main() -> None:
@@ -215,6 +283,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--prompt-words", type=int, default=8, help="a prompt of about this many + 8 tokens")
+    parser.add_argument("--lengths", type=int, nargs="*", default=[16, 2048], help="prompt tokens of the comparison")
     parser.add_argument("--distributed", action="store_true")
     args = parser.parse_args()
     model = args.model
@@ -224,9 +293,10 @@ def main() -> None:
         model = ROOT / ".cache" / "models" / "bench-tiny"
         if not (model / "config.json").is_file():
             make_model(model, "tiny", seed=0)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     print(f"engine alone (prefill and first token, this process): {engine_alone(model, args.prompt_words, 10):.1f} ms")
     for mode in ("embedded", *(("distributed",) if args.distributed else ())):
-        run(mode, model, args.requests, args.prompt_words)
+        run(mode, model, args.requests, args.prompt_words, args.lengths, vocab)
 
 
 if __name__ == "__main__":

@@ -94,9 +94,10 @@ class Bus(Protocol):
     def partitions(self, topic: str) -> int:
         """How many partitions the topic has."""
 
-    def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> Consumer:
+    def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True, wakeup: Any = None) -> Consumer:
         """A group member; a group with no committed offsets starts at the oldest record, or with
-        from_beginning=False at the next record produced."""
+        from_beginning=False at the next record produced. `wakeup`: what the MemoryBus's
+        `shared_wakeup` gave, shared by consumers polled in turn on one thread (Kafka's ignore it)."""
 
     def close(self) -> None: ...
 
@@ -206,10 +207,13 @@ class MemoryBus:
             for members in self._members.values():
                 for member in members:
                     if topic in member.topics:
+                        member.wakeup.pending = True
                         member.wakeup.notify()
         return stored
 
-    def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> MemoryConsumer:
+    def consumer(
+        self, topics: Iterable[str], group: str, from_beginning: bool = True, wakeup: Wakeup | None = None
+    ) -> MemoryConsumer:
         with self._lock:
             topics = list(topics)
             missing = [t for t in topics if t not in self._logs]
@@ -219,10 +223,16 @@ class MemoryBus:
                 for topic in topics:
                     for part, log in enumerate(self._logs[topic]):
                         self._committed.setdefault((group, topic, part), log.end)
-            member = MemoryConsumer(self, topics, group)
+            member = MemoryConsumer(self, topics, group, wakeup)
             self._members.setdefault(group, []).append(member)
             self._rebalance(group)
             return member
+
+    def shared_wakeup(self) -> Wakeup:
+        """A wake-up for consumers that one thread polls in turn (run_workers): a record for any of
+        them ends the wait of whichever is polling, or keeps it from starting, so none waits out
+        another's poll."""
+        return Wakeup(self._lock)
 
     def close(self) -> None:
         with self._lock:
@@ -244,35 +254,49 @@ class MemoryBus:
                 owner.positions[(topic, part)] = self._committed.get((group, topic, part), 0)
 
 
+class Wakeup(threading.Condition):
+    """What a MemoryConsumer waits on; `pending`: a record came for one of the consumers that wait
+    on it since the last wait ended (a notify reaches only a wait under way: where consumers share
+    it, the record may be another's, produced while the thread was not waiting)."""
+
+    def __init__(self, lock: threading.Lock):
+        super().__init__(lock)
+        self.pending = False
+
+
 class MemoryConsumer:
-    def __init__(self, bus: MemoryBus, topics: list[str], group: str):
+    def __init__(self, bus: MemoryBus, topics: list[str], group: str, wakeup: Wakeup | None = None):
         self.bus, self.topics, self.group = bus, topics, group
         self.positions: dict[tuple[str, int], int] = {}
         self.closed = False
-        # woken by produce() to one of this member's topics only, not by every record on the bus
-        self.wakeup = threading.Condition(bus._lock)
+        # woken by produce() to one of this member's topics (or, shared, to another's its thread polls)
+        self.wakeup = wakeup or Wakeup(bus._lock)
 
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
         return _checked_out(self.bus.claims, self._poll(timeout, max_records))
 
     def _poll(self, timeout: float, max_records: int) -> list[Record]:
-        deadline = time.monotonic() + timeout
+        """What is there; else whatever a wait comes to: a record for this consumer, or for another
+        that shares its wake-up (then nothing, early: the thread's next poll is that one's)."""
         with self.bus._lock:
-            while not self.closed:
-                records = []
-                for (topic, part), position in self.positions.items():
-                    taken, after = self.bus._logs[topic][part].read(position, max_records - len(records))
-                    records.extend(taken)
-                    self.positions[(topic, part)] = after
-                    if len(records) >= max_records:
-                        break
-                if records:
-                    return records
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return []
-                self.wakeup.wait(remaining)
-            return []
+            if self.closed:
+                return []
+            if records := self._read(max_records):
+                return records
+            if not self.wakeup.pending:
+                self.wakeup.wait(timeout)
+            self.wakeup.pending = False
+            return [] if self.closed else self._read(max_records)
+
+    def _read(self, max_records: int) -> list[Record]:
+        records = []
+        for (topic, part), position in self.positions.items():
+            taken, after = self.bus._logs[topic][part].read(position, max_records - len(records))
+            records.extend(taken)
+            self.positions[(topic, part)] = after
+            if len(records) >= max_records:
+                break
+        return records
 
     def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> bool:
         with self.bus._lock:
@@ -391,7 +415,9 @@ class KafkaBus:
             raise KeyError(f"unknown topic {topic!r} (create it first)")
         return len(found)
 
-    def consumer(self, topics: Iterable[str], group: str, from_beginning: bool = True) -> KafkaConsumerAdapter:
+    def consumer(
+        self, topics: Iterable[str], group: str, from_beginning: bool = True, wakeup: Any = None
+    ) -> KafkaConsumerAdapter:
         return KafkaConsumerAdapter(
             self.bootstrap, list(topics), group, self.client_id, from_beginning, self.claims, self.session_timeout_ms
         )

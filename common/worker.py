@@ -135,6 +135,7 @@ class Worker:
         self._committed: dict[tuple[str, int], int] = {}
         self._owned: set[tuple[str, int]] = set()
         self.failed = False  # a step failed: recover before the next one
+        self.wakeup: Any = None  # shared with the workers polled on the same thread (run_workers)
 
     def topic(self, topic: Topic) -> str:
         return topic_name(topic, self.prefix)
@@ -183,7 +184,8 @@ class Worker:
 
     def run_once(self, timeout: float = 0.1) -> None:
         if self._consumer is None:
-            self._consumer = self.bus.consumer([self.topic(t) for t in self.topics], self.consumer_group)
+            topics = [self.topic(t) for t in self.topics]
+            self._consumer = self.bus.consumer(topics, self.consumer_group, wakeup=self.wakeup)
         if self.failed:
             self.recover()
         # busy: only a glance at the bus between engine steps (see Bus.busy_poll_timeout)
@@ -613,6 +615,11 @@ def run_workers(workers: list[Worker], stop: threading.Event, also_urgent: list[
         watched = [*workers, *(also_urgent or [])]
         for worker in workers:
             worker.hold = lambda: any(w.urgent for w in watched)
+    if len(workers) > 1 and (shared_wakeup := getattr(workers[0].bus, "shared_wakeup", None)) is not None:
+        # a record for one of them ends whichever's poll is waiting: none waits out the others'
+        wakeup = shared_wakeup()
+        for worker in workers:
+            worker.wakeup = wakeup
     try:
         while not stop.is_set():
             for worker in workers:

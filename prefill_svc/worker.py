@@ -91,8 +91,22 @@ class _Job:
     hand_over: _HandOver | None = None  # once prefilled, until decode has been sent it
 
 
+@dataclass
+class _Warming:
+    """A finished conversation's state being loaded to be held (WarmPayload)."""
+
+    tenant: str
+    load: Future[StateSnapshot | None]
+    loaded_at: float = 0.0  # time.monotonic() when the load ended (0: not yet)
+
+    def ended(self, _: Future[StateSnapshot | None]) -> None:
+        self.loaded_at = time.monotonic()
+
+
 log = logging.getLogger(__name__)
 WARM_BACKLOG = 4
+# a loaded state waits at most this long to be held while jobs are on their way to a first token
+WARM_WAIT_SECONDS = 0.5
 
 
 class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
@@ -126,7 +140,7 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         # never ahead of a job's own prefix load, and at most WARM_BACKLOG wait: each one is only
         # a saving for a later turn
         self.warmer = ThreadPoolExecutor(1, thread_name_prefix="prefill-warm")
-        self.warming: list[tuple[str, Future[StateSnapshot | None]]] = []  # (tenant, its load)
+        self.warming: list[_Warming] = []
         self.compute_speed = MovingAverage(0.1)  # prefill tokens per second, against which a load is weighed
         self.load_speed = MovingAverage(0.1)  # tokens per second of prefix loads from the cache service
 
@@ -168,15 +182,22 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
                 snapshot, _ = self.cache.fetch_prefix(job_id, warm.tenant, warm.retention, warm.token_ids, held=held)
             return snapshot
 
-        self.warming.append((warm.tenant, self.warmer.submit(load)))
+        warming = _Warming(warm.tenant, self.warmer.submit(load))
+        warming.load.add_done_callback(warming.ended)
+        self.warming.append(warming)
 
     def _keep_warmed(self) -> None:
-        for tenant, loading in [w for w in self.warming if w[1].done()]:
-            self.warming.remove((tenant, loading))
+        """Hold the states loaded for finished conversations. Holding one is engine work (milliseconds
+        of copies): while a job here is on its way to its first token, or a worker beside this one on
+        the engine's thread holds one (`hold`), it waits, at most WARM_WAIT_SECONDS."""
+        waiting = any(job.hand_over is None for job in self.jobs.values()) or (self.hold is not None and self.hold())
+        stale = time.monotonic() - WARM_WAIT_SECONDS
+        for warming in [w for w in self.warming if w.loaded_at and (not waiting or w.loaded_at < stale)]:
+            self.warming.remove(warming)
             try:
-                snapshot = loading.result()
+                snapshot = warming.load.result()
                 if snapshot is not None:
-                    self.engine.keep_resident(tenant, snapshot)
+                    self.engine.keep_resident(warming.tenant, snapshot)
             except Exception:  # a state not held is a load later, nothing more
                 log.exception("holding a finished conversation's state failed")
 

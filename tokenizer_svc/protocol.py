@@ -88,6 +88,7 @@ class Codec:
         self.assistant = self.decoder.token_to_id(recipe.SpecialToken.Assistant.default_str())
         self.images = images
         self.image_placeholder = self.decoder.token_to_id(recipe.SpecialToken.Image.default_str())
+        self.history_opener = self._history_opener()
 
     @classmethod
     def for_model(
@@ -216,13 +217,42 @@ class Codec:
         )
 
     def next_turn_anchor(self, token_ids: list[int]) -> list[int]:
-        """Where the next turn's prompt leaves this one: after the last assistant tag. What the
-        prompt has after it (`<think>` opening a reasoning turn, `</think>` one without) the next
-        turn renders otherwise (its history keeps the answer, not the reasoning), so the prompt's
-        own end is no prefix of it: the state after the tag is (DeepSeek's API caches at the end
-        of every user input for this reason)."""
+        """Where the next turn's prompt leaves this one, if before its end: the next turn renders
+        this turn's answer after the last assistant tag as history, opened as the encoding opens
+        every past answer (`history_opener`). A prompt that opens its answer otherwise (`<think>`
+        opening a reasoning turn, where history drops the reasoning) has no prefix of the next
+        turn past the point where the two openings part; the state there is stored too (DeepSeek's
+        API caches at the end of every user input for this reason). Where the prompt opens its
+        answer as history does (`</think>` without reasoning), its own end is that prefix: no
+        anchor, and no step split before the first token for one."""
         tags = [i for i, token in enumerate(token_ids) if token == self.assistant]
-        return [tags[-1] + 1] if tags and tags[-1] + 1 < len(token_ids) else []
+        if not tags:
+            return []
+        after = token_ids[tags[-1] + 1 :]
+        shared = common_prefix(after, self.history_opener)
+        return [tags[-1] + 1 + shared] if shared < len(after) else []
+
+    def _history_opener(self) -> list[int]:
+        """The tokens the encoding writes after an assistant tag before a past answer's text, in
+        both thinking modes (their common part): read off renders of a conversation whose past
+        answers differ, not assumed."""
+        name = self.served_models[0] if self.served_models else "model"
+        openers = []
+        for thinking in ("enabled", "disabled"):
+            renders = []
+            for answer in ("yes", "no"):
+                messages = [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": "b"},
+                ]
+                body = {"model": name, "messages": messages, "thinking": {"type": thinking}}
+                request, _, _ = self.convert("chat.completions", body)
+                renders.append(list(self.encoding.encode(request.conversation)))
+            tag = renders[0].index(self.assistant)
+            first, second = renders[0][tag + 1 :], renders[1][tag + 1 :]
+            openers.append(first[: common_prefix(first, second)])
+        return openers[0][: common_prefix(*openers)]
 
     def _images(self, conversation: Any) -> list[ResolvedImage]:
         """The conversation's images, resolved, in the order of their placeholders."""
@@ -404,3 +434,8 @@ def _one_call(body: dict[str, Any]) -> bool:
     choice = body.get("tool_choice")
     anthropic_single = isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True
     return body.get("parallel_tool_calls") is False or anthropic_single
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two sequences share from their start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -228,6 +228,36 @@ def test_memory_bus_shares_partitions_within_a_group():
     assert not {(r.partition, r.offset) for r in got_a} & {(r.partition, r.offset) for r in got_b}
 
 
+def test_consumers_polled_in_turn_on_one_thread_never_wait_out_each_others_records():
+    """The embedded engine thread polls prefill's consumer, then decode's (run_workers): they share
+    a wake-up. A record for one, produced before or during the other's poll, ends that poll at
+    once, so the thread's next poll takes it; a consumer of its own waits out its timeout."""
+    bus = MemoryBus()
+    bus.create_topics(["prefill", "decode"], 1)
+    wakeup = bus.shared_wakeup()
+    prefill, decode_ = bus.consumer(["prefill"], "p", wakeup=wakeup), bus.consumer(["decode"], "d", wakeup=wakeup)
+    alone = bus.consumer(["decode"], "alone")
+
+    bus.produce("prefill", "job-1", b"before")  # while the thread was busy elsewhere
+    started = time.monotonic()
+    assert decode_.poll(timeout=5.0) == []
+    assert time.monotonic() - started < 2.0
+    assert [r.value for r in prefill.poll(timeout=0)] == [b"before"]
+
+    later = threading.Timer(0.2, lambda: bus.produce("prefill", "job-2", b"during"))
+    later.start()
+    started = time.monotonic()
+    assert decode_.poll(timeout=5.0) == []
+    assert time.monotonic() - started < 2.0
+    assert [r.value for r in prefill.poll(timeout=0)] == [b"during"]
+    later.join()
+
+    bus.produce("prefill", "job-3", b"not for it")
+    started = time.monotonic()
+    assert alone.poll(timeout=0.5) == []
+    assert time.monotonic() - started >= 0.4
+
+
 def test_values_too_large_for_a_record_travel_as_claim_checks(bus):
     """A 3 MB value (over Kafka's default 1 MB record limit) is stored beside the bus and the
     record carries a claim for it: Kafka's own client reads a small record naming the bytes;

@@ -15,12 +15,15 @@ import uuid
 import pytest
 
 from common.bus import Bus, KafkaBus, MemoryBus
-from common.messages import DeadLetter, ResultPayload, decode
-from common.topics import Topic, topic_name
+from common.messages import DeadLetter, Envelope, PrefillPayload, ResultPayload, Sampling, WarmPayload, decode
+from common.topics import Topic, all_topic_names, topic_name
 from deepmesh.mesh import Mesh
 from engine import LLMEngine
+from prefill_svc import worker as prefill_worker
+from prefill_svc.worker import PrefillWorker
 from tests.support.infra import require_service, scratch_store
 from tests.support.mesh_client import BODIES, collect, reference_body, submit
+from tests.support.models import random_prompts
 
 MODEL = "deepmesh-tiny"
 
@@ -231,3 +234,63 @@ def test_the_first_token_does_not_wait_for_the_hand_over(tiny_preset, tmp_path):
         mesh.stop()
     assert done is not None and done >= 2.0  # the rest waited for the hand-over's store
     assert first is not None and first < 1.5, first
+
+
+def send_prefill(bus: Bus, prefix: str, job_id: str, prompt: list[int], max_tokens: int) -> None:
+    sampling = Sampling(max_tokens=max_tokens, temperature=0, top_p=1)
+    payload = PrefillPayload(endpoint="chat.completions", prompt_token_ids=prompt, sampling=sampling)
+    envelope = Envelope(type="prefill", job_id=job_id, payload=payload.model_dump())
+    bus.produce(topic_name(Topic.PREFILL, prefix), job_id, envelope.encode())
+
+
+class SlowJobLookups:
+    """A KV cache whose prefix lookups for prefill's jobs (on its fetch threads) take `seconds`;
+    the warm thread's, and everything else, are the real store's."""
+
+    def __init__(self, store, seconds: float):
+        self.store, self.seconds = store, seconds
+
+    def lookup(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("prefill-fetch"):
+            time.sleep(self.seconds)
+        return self.store.lookup(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
+def test_holding_a_finished_conversation_waits_for_a_first_token(tiny_checkpoint, tmp_path, monkeypatch):
+    """A finished conversation's state (a warm message) is taken into the engine's memory on the
+    engine's thread: while a job is on its way to its first token that waits, and happens once it
+    is out. Here the state is loaded while the job's own lookup still runs (0.3 s)."""
+    monkeypatch.setattr(prefill_worker, "WARM_WAIT_SECONDS", 30.0)  # only the first token ends the wait here
+    bus, prefix = MemoryBus(), f"warm{uuid.uuid4().hex[:6]}."
+    bus.create_topics(all_topic_names(prefix), 1)
+    store = scratch_store(tmp_path)
+    conversation = random_prompts([160], seed=3)[0]
+    first = PrefillWorker(bus, prefix, LLMEngine.from_pretrained(tiny_checkpoint), store)
+    send_prefill(bus, prefix, "turn", conversation, max_tokens=1)  # done at its first token: its state stored
+    namespace = first.cache.namespace("default")
+    deadline = time.monotonic() + 60
+    while store.lookup(namespace, conversation, len(conversation) + 1).num_tokens < len(conversation):
+        assert time.monotonic() < deadline, "the first turn's state was never stored"
+        first.run_once(timeout=0.01)
+    first.close()
+
+    worker = PrefillWorker(bus, prefix, LLMEngine.from_pretrained(tiny_checkpoint), SlowJobLookups(store, 0.3))
+    events: list[str] = []
+    hold = worker.engine.keep_resident
+    worker.engine.keep_resident = lambda *args: events.append("held") or hold(*args)
+    send = worker.hop
+    worker.hop = lambda topic, envelope, span: (
+        events.append(f"{topic.value} {envelope.job_id}") or send(topic, envelope, span)
+    )
+    warm = Envelope(type="warm", job_id="warm", payload=WarmPayload(token_ids=conversation).model_dump())
+    bus.produce(topic_name(Topic.PREFILL, prefix), "warm", warm.encode())
+    send_prefill(bus, prefix, "next", random_prompts([40], seed=4)[0], max_tokens=4)
+    deadline = time.monotonic() + 60
+    while "held" not in events and time.monotonic() < deadline:
+        worker.run_once(timeout=0.01)
+    worker.close()
+    assert events.index("tokens next") < events.index("held"), events
+    assert worker.engine.resident_tokens("default", conversation) > 0

