@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 TINY_MODEL := .cache/models/tiny
 
-.PHONY: run test test-unit lint bench compat install stack-down clean
+.PHONY: run test test-unit lint bench bench-serve compat install stack-down clean
 
 install: $(INSTALLED)
 
@@ -75,6 +75,12 @@ bench: $(INSTALLED)
 	$(BIN)/python benchmarks/engine_v41.py
 	$(BIN)/python benchmarks/speculative.py
 	$(BIN)/python benchmarks/speculative.py --method dspark
+
+# TTFT p50 / p90, inter-token latency and throughput at 1, 8 and 32 requests in flight, embedded and
+# distributed, aiperf as the client (from .compat-venv), the engine alone beside them: a table, and
+# benchmarks/results/serve.png (benchmarks/serve.py; docs/benchmarks.md has a run)
+bench-serve: $(INSTALLED) $(TINY_MODEL)/config.json
+	$(BIN)/python benchmarks/serve.py
 
 # deepmesh against guidellm, aiperf and lm-eval, installed in .compat-venv of their own: a short
 # run of each, checked from each one's own report (scripts/compat/README.md)

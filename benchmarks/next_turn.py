@@ -44,16 +44,10 @@ def embedded(model: Path) -> Iterator[str]:
 
 @contextmanager
 def distributed(model: Path) -> Iterator[str]:
-    from tests.support.cluster import Cluster, stack_up
+    from tests.support.cluster import served_distributed
 
-    stack_up()
-    with tempfile.TemporaryDirectory() as scratch:
-        cluster = Cluster(Path(scratch), model)
-        try:
-            cluster.start(("cache", "gateway", "tokenizer", "prefill", "decode"))
-            yield cluster.url
-        finally:
-            cluster.stop()
+    with tempfile.TemporaryDirectory() as scratch, served_distributed(Path(scratch), model) as url:
+        yield url
 
 
 def conversation(url: str, thinking: bool, turns: int, system_tokens: int, keep: int) -> list[tuple[float, float]]:

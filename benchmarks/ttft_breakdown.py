@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -77,23 +76,10 @@ def embedded(model: Path, traces: Path) -> Iterator[str]:
 
 @contextmanager
 def distributed(model: Path, traces: Path) -> Iterator[str]:
-    from tests.support.cluster import Cluster, stack_up
+    from tests.support.cluster import served_distributed
 
-    # one torch thread in every process, as the tests run a cluster (tests/conftest.py): with a
-    # thread per core in each, every parallel op waits for a core another process holds
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    stack_up()
-    cluster = Cluster(traces.parent, model)
-    cluster.traces = traces
-    cluster.env["DEEPMESH_TRACE_FILE"] = str(traces)
-    cluster.env["DEEPMESH_LOG_LEVEL"] = "WARNING"
-    # decode eager, as the embedded mesh here: no graphs compiling on a core beside the requests
-    cluster.env["DEEPMESH_COMPILE_DECODE"] = "false"
-    try:
-        cluster.start(("cache", "gateway", "tokenizer", "prefill", "decode"))
-        yield cluster.url
-    finally:
-        cluster.stop()
+    with served_distributed(traces.parent, model, traces) as url:
+        yield url
 
 
 def first_chunk(client: openai.OpenAI, i: int, words: int) -> tuple[float, float]:

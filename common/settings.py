@@ -30,6 +30,13 @@ class Settings(BaseSettings):
     # decode running eager meanwhile (about two minutes a batch-size bucket for the tiny preset on
     # two cores), loaded from .cache/torchinductor after
     compile_decode: bool = True
+    # torch's intra-op threads in a process that runs an engine (serve, prefill, decode, encoder);
+    # 0: one less than the process's cores (at least one), unless OMP_NUM_THREADS is set. A team of
+    # threads on every core waits at each operator's barrier for whichever of its threads the
+    # process's other threads (HTTP, tokenizer, bus) or another process took the core from: under
+    # a load generator on 2 cores, decode took 281 ms a token with 2 threads and 15 ms with 1
+    # (docs/benchmarks.md). Several engine processes on one machine: give each its share.
+    torch_threads: int = 0
     # speculative decoding in decode steps (engine/speculation.py): auto, off, mtp (V4's
     # multi-token-prediction module) or dspark (V4.1's draft model); auto drafts where the checkpoint has a drafter
     # and while its drafts are accepted often enough to pay. speculative_tokens drafts a step;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,24 @@ def _observe(service: str) -> None:
     settings = Settings()
     setup_logging(service, settings.log_level, settings.log_format)
     setup_tracing(service, settings.trace_exporter, settings.trace_file)
+
+
+def _engine_threads() -> None:
+    """Torch's intra-op threads in a process that runs an engine, as DEEPMESH_TORCH_THREADS says
+    (common/settings.py: by default one less than this process's cores, unless OMP_NUM_THREADS
+    says otherwise)."""
+    from common.settings import Settings
+
+    threads = Settings().torch_threads or (None if "OMP_NUM_THREADS" in os.environ else engine_thread_default())
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def engine_thread_default() -> int:
+    """One less than the cores this process may run on, at least one."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "gateway", "tokenizer", "encoder", "prefill", "decode", "cache"):
         _observe(args.command)
+    if args.command in ("serve", "encoder", "prefill", "decode"):
+        _engine_threads()
     try:
         code = args.run(args)
     except ValueError as err:  # EngineError and friends: a clear message, not a traceback
@@ -170,8 +191,6 @@ def _exit_at_once_if_compiling(code: int) -> None:
     compiled_decode = sys.modules.get("engine.compiled_decode")
     if compiled_decode is None or not compiled_decode.compiling_anywhere():
         return
-    import os
-
     from opentelemetry import trace
 
     shutdown = getattr(trace.get_tracer_provider(), "shutdown", None)

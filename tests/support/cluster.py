@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,6 +28,28 @@ def stack_up() -> None:
     for line in out.splitlines():
         name, _, value = line.removeprefix("export ").partition("=")
         os.environ[name] = value
+
+
+@contextlib.contextmanager
+def served_distributed(root: Path, model: Path, traces: Path | None = None) -> Iterator[str]:
+    """Every service its own process over the stack's Kafka (started here if it is not), on
+    `model`, logs under `root` and spans in `traces` (None: root/traces.jsonl): its gateway's URL
+    (the benchmarks' distributed API). One torch thread a process, as the tests run a cluster
+    (tests/conftest.py says why), and decode eager: no graphs compiling on a core beside the
+    requests."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    stack_up()
+    cluster = Cluster(root, model)
+    if traces is not None:
+        cluster.traces = traces
+        cluster.env["DEEPMESH_TRACE_FILE"] = str(traces)
+    cluster.env["DEEPMESH_LOG_LEVEL"] = "WARNING"
+    cluster.env["DEEPMESH_COMPILE_DECODE"] = "false"
+    try:
+        cluster.start(("cache", "gateway", "tokenizer", "prefill", "decode"))
+        yield cluster.url
+    finally:
+        cluster.stop()
 
 
 class Cluster:
