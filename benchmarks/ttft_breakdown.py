@@ -27,8 +27,10 @@ the same prompt (in this process) as the floor.
 
 Then the issue's measure of what the mesh adds: the same token ids (`--lengths`, a fresh prompt
 each round, so that no round is a cache hit) through /v1/completions with max_tokens 1, streamed,
-against the engine alone in this process (`generate`, max_tokens 1, before the mesh starts):
-medians, the difference and the ratio.
+from a raw HTTP client, against the engine alone in this process (`generate`, max_tokens 1,
+before the mesh starts, on the served prefill's torch threads): medians, the difference and the
+ratio. This process takes `deepmesh serve`'s torch threads (one less than its cores, unless
+DEEPMESH_TORCH_THREADS or OMP_NUM_THREADS say otherwise).
 
     python benchmarks/ttft_breakdown.py [--requests 20] [--prompt-words 8] [--lengths 16 2048]
         [--distributed] [--model D]
@@ -46,6 +48,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,17 +208,22 @@ def alone_ttft(model: Path, prompts: list[list[int]], threads: int) -> list[floa
 
 
 def served_ttft(url: str, prompts: list[list[int]]) -> list[float]:
-    """ms from sending a streamed /v1/completions (max_tokens 1) to its first chunk, per prompt."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300)
+    """ms from sending a streamed /v1/completions (max_tokens 1) to its first chunk, per prompt.
+    A raw HTTP client with the body serialized before the clock starts: the server's time, not a
+    client library's (the OpenAI SDK's request transform walks a 2,048-id prompt for ~36 ms)."""
     times = []
-    for prompt in prompts:
-        started = time.perf_counter()
-        stream = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, stream=True)
-        ttft = None
-        for _ in stream:
-            ttft = ttft or time.perf_counter() - started
-        assert ttft is not None
-        times.append(ttft * 1000)
+    with httpx.Client(timeout=300) as http:
+        for prompt in prompts:
+            body = json.dumps(
+                {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+            ).encode()
+            headers = {"content-type": "application/json"}
+            started = time.perf_counter()
+            with http.stream("POST", f"{url}/v1/completions", content=body, headers=headers) as response:
+                response.raise_for_status()
+                first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            assert first != "data: [DONE]"
+            times.append((time.perf_counter() - started) * 1000)
     return times[1:]
 
 
@@ -272,6 +280,9 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="*", default=[16, 2048], help="prompt tokens of the comparison")
     parser.add_argument("--distributed", action="store_true")
     args = parser.parse_args()
+    from deepmesh.cli import set_engine_threads
+
+    set_engine_threads()  # the embedded mesh and the engine alone on deepmesh serve's torch threads
     model = args.model
     if model is None:
         from engine.checkpoint.make_model import make_model

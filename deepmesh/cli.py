@@ -24,7 +24,7 @@ def _observe(service: str) -> None:
     setup_tracing(service, settings.trace_exporter, settings.trace_file)
 
 
-def _engine_threads() -> None:
+def set_engine_threads() -> None:
     """Torch's intra-op threads in a process that runs an engine, as DEEPMESH_TORCH_THREADS says
     (common/settings.py: by default one less than this process's cores, unless OMP_NUM_THREADS
     says otherwise)."""
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "gateway", "tokenizer", "encoder", "prefill", "decode", "cache"):
         _observe(args.command)
     if args.command in ("serve", "encoder", "prefill", "decode"):
-        _engine_threads()
+        set_engine_threads()
     try:
         code = args.run(args)
     except ValueError as err:  # EngineError and friends: a clear message, not a traceback
@@ -627,9 +627,10 @@ def _replica_table(bus, topic_prefix: str):
 
 def _context_length(model: Path) -> int | None:
     """The checkpoint's context length, for GET /v1/models (read from config.json: the gateway
-    loads no engine)."""
+    loads no engine). A V4.1 checkpoint keeps it in `text_config`, beside `vision_config`."""
     try:
-        return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+        config = json.loads((model / "config.json").read_text())
+        return int(config.get("max_position_embeddings") or config["text_config"]["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
