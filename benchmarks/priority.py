@@ -42,6 +42,7 @@ import uvicorn
 from cache_svc.store import StateStore
 from common.bus import MemoryBus
 from common.settings import Settings
+from deepmesh.cli import set_engine_threads
 from deepmesh.mesh import Mesh
 from engine.checkpoint.make_model import make_model
 from gateway.app import create_app
@@ -141,6 +142,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three phases (the machine is noisy)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    set_engine_threads()  # as deepmesh serve: one torch thread less than the cores
     if not (args.model / "config.json").is_file():
         make_model(args.model, "tiny", seed=0)
     workdir = Path(tempfile.mkdtemp(prefix="deepmesh-priority-"))
