@@ -236,7 +236,9 @@ class Codec:
         """The tokens the encoding writes after an assistant tag before a past answer's text, in
         both thinking modes (their common part): read off renders of a conversation whose past
         answers differ, not assumed."""
-        name = self.served_models[0] if self.served_models else "model"
+        if not self.served_models:  # nothing to render a request for: an anchor after every tag
+            return []
+        name = self.served_models[0]
         openers = []
         for thinking in ("enabled", "disabled"):
             renders = []
