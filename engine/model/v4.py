@@ -226,6 +226,44 @@ def decode_window_keys(
     return keys, bias
 
 
+QUERY_TILE = 128  # the most queries of a long prompt chunk one attention call takes (prefill_attention)
+
+
+def prefill_attention(
+    backend: object,
+    q: torch.Tensor,  # [S, H, d]
+    keys: torch.Tensor,  # [K, d]: the window's keys in position order (the chunk's own last), then entries
+    bias: torch.Tensor,  # [S, K]
+    sinks: torch.Tensor,
+    scaling: float,
+    window_keys: int,
+    window: int,
+) -> torch.Tensor:
+    """A prompt chunk's attention [S, H, d]. A long chunk goes in tiles of QUERY_TILE queries (at
+    least a window's), each against the window keys its queries can see (`window` positions back
+    from each) and every entry column: the columns a tile leaves out are -inf in all its rows, so
+    the result is the whole chunk's. The scores then cost S x (tile + window + entries) instead of
+    S x (S + entries): a 1,024-token chunk with a 128-token window computes a quarter as many."""
+
+    def attend(rows: slice, tile_keys: torch.Tensor, tile_bias: torch.Tensor) -> torch.Tensor:
+        queries = q[rows].transpose(0, 1).unsqueeze(0)
+        return backend.attention(queries, tile_keys.unsqueeze(0), tile_bias.unsqueeze(0), sinks, scaling)[0]
+
+    n = q.shape[0]
+    tile = max(QUERY_TILE, window)
+    if n <= 2 * tile:
+        return attend(slice(0, n), keys, bias)
+    prior = window_keys - n  # the window's keys from before the chunk
+    outs = []
+    for begin in range(0, n, tile):
+        rows = slice(begin, min(n, begin + tile))
+        seen = slice(max(0, prior + begin - window + 1), prior + rows.stop)  # from what its first query sees
+        tile_keys = torch.cat([keys[seen], keys[window_keys:]])
+        tile_bias = torch.cat([bias[rows, seen], bias[rows, window_keys:]], dim=1)
+        outs.append(attend(rows, tile_keys, tile_bias))
+    return torch.cat(outs)
+
+
 def with_entries(
     keys: torch.Tensor, bias: torch.Tensor, entries: torch.Tensor, attended: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,6 +434,7 @@ class Attention(nn.Module):
         device = q.device
         window = cache.window[self.state_index]
         keys, bias, query_positions = prefill_window_keys(window, s, kv, self.window, s.keep_from)
+        window_keys = keys.shape[0]
 
         if self.compressor is not None:
             rate = self.compressor.rate
@@ -413,9 +452,7 @@ class Attention(nn.Module):
                 visible = visible & chosen
             keys, bias = with_entries(keys, bias, entries, visible)
 
-        out = self.backend.attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), bias.unsqueeze(0), self.sinks, self.scaling
-        ).squeeze(0)
+        out = prefill_attention(self.backend, q, keys, bias, self.sinks, self.scaling, window_keys, self.window)
         store_prefill_window(window, s, kv, query_positions)
         return out
 

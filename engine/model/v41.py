@@ -45,6 +45,7 @@ from engine.model.v4 import (
     expand_and_mix,
     gather_entries,
     hc_mixes,
+    prefill_attention,
     prefill_window_keys,
     routing_weights,
     select_topk,
@@ -315,6 +316,7 @@ class Attention(AttentionProjections):
         # a consumer layer's window never reaches before the rows the prompt keeps for it
         floor = s.keep_from if self.config.is_consumer(self.layer) else 0
         keys, bias, query_positions = prefill_window_keys(window, s, kv, self.window, floor)
+        window_keys = keys.shape[0]
         if self.rate:
             count = (s.start + s.length) // self.rate
             table = torch.tensor(s.block_table, dtype=torch.long, device=device)
@@ -327,9 +329,7 @@ class Attention(AttentionProjections):
                 scores = Indexer.scores(index_q, index_keys.unsqueeze(0), index_w).masked_fill(~visible, NEG_INF)
             keys, bias = with_entries(keys, bias, entries, self._select(scores, visible, counts, key, ctx) & visible)
 
-        out = self.backend.attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), bias.unsqueeze(0), self.attn_sink, self.scaling
-        ).squeeze(0)
+        out = prefill_attention(self.backend, q, keys, bias, self.attn_sink, self.scaling, window_keys, self.window)
         store_prefill_window(window, s, kv, query_positions)
         return out
 

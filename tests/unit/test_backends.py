@@ -76,3 +76,37 @@ def test_routed_experts_per_pick_and_grouped_agree_and_a_row_never_depends_on_it
     alone = torch.cat([per_pick(slice(i, i + 1)) for i in range(64)])
     assert torch.equal(everything, alone)
     assert torch.equal(per_pick(slice(5, 37))[3], everything[8])
+
+
+@pytest.mark.parametrize(
+    ("start", "length", "window", "entries", "floor"),
+    [
+        (0, 300, 64, 0, 0),  # a prompt's first chunk, no compressed entries
+        (500, 700, 128, 40, 0),  # a later chunk: the ring's keys before it, entries seen in part
+        (900, 333, 8, 17, 880),  # a small window, a truncated prompt's floor inside the ring's reach
+        (0, 200, 128, 5, 0),  # short: one call
+    ],
+)
+def test_a_long_chunks_attention_in_tiles_is_the_whole_chunks(start, length, window, entries, floor):
+    """prefill_attention splits a long chunk's queries into tiles, each against the window keys it
+    can see and every entry: the same output as one call over every key, whatever the chunk's
+    start, window, entries and floor (the ring's keys read as the model reads them)."""
+    from engine.model import SeqSlice
+    from engine.model.v4 import prefill_attention, prefill_window_keys, with_entries
+
+    generator = torch.Generator().manual_seed(length)
+    heads, dim = 4, 16
+    ring = torch.randn(2, window, dim, generator=generator)  # slot 1's sliding-window ring
+    kv = torch.randn(length, dim, generator=generator)
+    q = torch.randn(length, heads, dim, generator=generator)
+    s = SeqSlice(1, start, length, [], floor)
+    keys, bias, positions = prefill_window_keys(ring, s, kv, window, floor)
+    window_keys = keys.shape[0]
+    if entries:
+        seen = torch.arange(entries).unsqueeze(0) < (positions // 25 % (entries + 1)).unsqueeze(1)
+        keys, bias = with_entries(keys, bias, torch.randn(entries, dim, generator=generator), seen)
+    sinks, backend = torch.randn(heads, generator=generator), TorchBackend()
+    whole = backend.attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), bias.unsqueeze(0), sinks, 0.25)[0]
+    tiled = prefill_attention(backend, q, keys, bias, sinks, 0.25, window_keys, window)
+    assert tiled.shape == whole.shape == (length, heads, dim)
+    torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)
