@@ -50,6 +50,9 @@ class LoadReport(BaseModel):
     total_blocks: int = 0
     free_slots: int = 0  # batch slots (sequences the engine can run at once) not in use
     max_slots: int = 0
+    # prefill: a prompt's last tokens this replica always computes itself (V4.1's
+    # prefill_keep_tokens): it starts no prompt from a prefix longer than the rest
+    keep_tokens: int = 0
     tokens_per_second: float = 0.0  # prefill: measured compute speed (0: not measured yet)
     load_tokens_per_second: float = 0.0  # prefill: measured speed of loads from the cache service
     step_seconds: float = 0.0  # decode: measured step time

@@ -46,15 +46,20 @@ class Route:
 
 
 def resident_tokens(reports: Sequence[LoadReport], tenant: str, prompt: Sequence[int]) -> dict[str, int]:
-    """For each replica, the longest prefix of the prompt it reports holding (0: none): its
-    prefixes with the prompt's base at their base length (common/prefixes.py), then of those,
-    the ones whose own key is the prompt's at their length."""
+    """For each replica, the longest prefix of the prompt it reports holding and may start it from
+    (0: none): its prefixes with the prompt's base at their base length (common/prefixes.py), no
+    longer than the prompt less the tokens the replica always computes (`keep_tokens`, as the
+    engine's reusable_prefix), then of those, the ones whose own key is the prompt's at their length."""
+
+    def usable(report: LoadReport) -> int:
+        return max(0, len(prompt) - report.keep_tokens)
+
     hashed = PromptKeys(tenant, prompt)
     boundaries = hashed.at(range(0, len(prompt) + 1, BLOCK_SIZE))
     bases = [(n, reported(key)) for n, key in boundaries.items()]
     candidates = {
-        replica: [held for base in bases for held in index.get(base, ()) if held[0] <= len(prompt)]
-        for replica, index in ((r.replica, r.by_base()) for r in reports)
+        r.replica: [held for base in bases for held in r.by_base().get(base, ()) if held[0] <= usable(r)]
+        for r in reports
     }
     keys = hashed.at({n for held in candidates.values() for n, _ in held})
     wanted = {n: reported(key) for n, key in keys.items()}

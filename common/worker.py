@@ -318,6 +318,9 @@ class StageEngine(Protocol):
 
     def resident_summary(self, limit: int = 256) -> list[tuple[int, str, str]]: ...
 
+    @property
+    def prompt_keep_tokens(self) -> int: ...
+
 
 class StateSaver(Protocol):
     """Where an EngineWorker stores states: engine.prefix_connector.PrefixConnector."""
@@ -493,6 +496,7 @@ class EngineWorker(ReplicaWorker, Generic[JobT, PayloadT]):
             free_slots=engine.num_free_slots(),
             max_slots=engine.max_slots(),
             resident=engine.resident_summary(),
+            keep_tokens=engine.prompt_keep_tokens,
             **self.speeds(),
         )
         for measure in ("queued_jobs", "running_jobs", "queued_tokens", "free_blocks", "free_slots"):

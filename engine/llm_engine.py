@@ -751,8 +751,13 @@ class LLMEngine:
         `prefill_keep_tokens` rows are what its YOCO consumer layers compute, and their window must
         see only those rows: they are always computed, never taken from a stored state, which is
         what makes a replay from a cached prefix exact (engine/config_v41.py)."""
-        keep = getattr(self.config, "prefill_keep_tokens", 0)
+        keep = self.prompt_keep_tokens
         return max(0, prompt_len - keep) if keep else prompt_len
+
+    @property
+    def prompt_keep_tokens(self) -> int:
+        """A prompt's last tokens this engine always computes itself (reusable_prefix; 0: none)."""
+        return getattr(self.config, "prefill_keep_tokens", 0)
 
     def resident_summary(self, limit: int = 256) -> list[tuple[int, str, str]]:
         """The prefixes held in this engine's own memory as a load report lists them: (tokens,

@@ -88,18 +88,22 @@ def test_a_follow_up_goes_back_to_the_replica_that_holds_its_conversation(replic
     prompt = mesh.tokenizer.codec.prompt("chat.completions", follow_up).token_ids
     turn_1 = len(mesh.tokenizer.codec.prompt("chat.completions", first).token_ids)
 
-    def held() -> list[int]:  # the longest prefix of the follow-up each prefill replica reports holding
-        reports = [p.report for p in mesh.prefills]
+    def held(usable_only: bool = True) -> list[int]:
+        """The longest prefix of the follow-up each prefill replica reports holding (and may
+        start it from, unless `usable_only` is False: V4.1 computes a prompt's last KEEP tokens)."""
+        reports = [p.report if usable_only else p.report.model_copy(update={"keep_tokens": 0}) for p in mesh.prefills]
         return list(resident_tokens(reports, "default", prompt).values())
 
     deadline = time.monotonic() + 10  # decode stores the answer, the holder loads it, and reports it
-    while max(held()) <= turn_1:
-        assert time.monotonic() < deadline, f"no replica reports the answered conversation: {held()}"
+    while max(held(usable_only=False)) <= turn_1:
+        assert time.monotonic() < deadline, f"no replica reports the answered conversation: {held(False)}"
         time.sleep(0.05)
-    holder = mesh.prefills[held().index(max(held()))]
-    # what the holder may start from: all it holds (V4), or its longest prefix before the kept tokens (V4.1)
+    holder = mesh.prefills[held(usable_only=False).index(max(held(usable_only=False)))]
+    # what the holder may start from: all it holds (V4), or its longest prefix before the kept tokens
+    # (V4.1); the router counts the same from its report
     expected = holder.engine.resident_tokens("default", prompt)
     assert 0 < expected <= holder.engine.reusable_prefix(len(prompt))
+    assert held()[mesh.prefills.index(holder)] == expected
     hits_before, loaded_before = [p.engine.resident.hits for p in mesh.prefills], loaded_from_cache_service()
     job = submit(mesh, "chat.completions", follow_up)
     body = collect(mesh, {job})[job][-1].body

@@ -34,6 +34,20 @@ def test_a_prompt_goes_to_the_replica_that_holds_its_prefix():
     assert resident_tokens([a, b], "acme", PROMPT[:300] + [7] * 300) == {"a": 0, "b": 0}
 
 
+def test_a_prefix_within_the_tokens_a_replica_always_computes_is_not_counted():
+    """A V4.1 replica computes a prompt's last KEEP tokens itself (keep_tokens in its report): of
+    what it holds, only a prefix that ends before them saves it anything, as the engine's own
+    reusable_prefix says. Counting a longer one sent a follow-up there for a saving it never made."""
+    v41 = prefill_report("a", 0, resident=holding("acme", PROMPT, 512), keep_tokens=140)
+    other = prefill_report("b", 1)
+    assert resident_tokens([v41, other], "acme", PROMPT) == {"a": 0, "b": 0}  # 512 > 600 - 140
+    assert choose_prefill([v41, other], {}, "job-1", "acme", PROMPT).resident_tokens == 0
+    both = holding("acme", PROMPT, 384) + holding("acme", PROMPT, 512)
+    v41 = prefill_report("a", 0, resident=both, keep_tokens=140)
+    route = choose_prefill([v41, other], {}, "job-1", "acme", PROMPT)
+    assert (route.replica, route.reason, route.resident_tokens, route.cost) == ("a", "prefix", 384, 600 - 384)
+
+
 def test_a_holder_with_a_long_queue_loses_to_an_idle_replica():
     """A cache-aware choice that ignored load would pile every turn of a popular prefix onto one
     replica: the prediction weighs the queue against the tokens the prefix saves."""
