@@ -113,23 +113,13 @@ def ttft(model: Path, rounds: int) -> None:
 
 
 def first_chunk(client: openai.OpenAI, text: str, image: bytes) -> float:
+    from tests.support.behaviour import seconds_to_first_chunk
+
     url = "data:image/png;base64," + base64.b64encode(image).decode()
     # the text before the image: a different text, a different prefix
-    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
-    started = time.perf_counter()
-    stream = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": content}],
-        max_tokens=2,
-        temperature=0,
-        stream=True,
-        extra_body={"thinking": {"type": "disabled"}},
+    return seconds_to_first_chunk(
+        client, [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
     )
-    elapsed = None
-    for _ in stream:
-        elapsed = elapsed or time.perf_counter() - started
-    assert elapsed is not None
-    return elapsed
 
 
 def main() -> None:

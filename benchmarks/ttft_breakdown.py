@@ -87,21 +87,10 @@ def distributed(model: Path, traces: Path) -> Iterator[str]:
 
 def first_chunk(client: openai.OpenAI, i: int, words: int) -> tuple[float, float]:
     """(wall-clock time sent, seconds to the first chunk) of one streamed request."""
-    question = " ".join(["why"] * words) + f" {i}?"
-    sent, started = time.time(), time.perf_counter()
-    stream = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": question}],
-        max_tokens=2,  # a first token that is not the last: the request goes through decode
-        temperature=0,
-        stream=True,
-        extra_body={"thinking": {"type": "disabled"}},
-    )
-    ttft = None
-    for _ in stream:
-        ttft = ttft or time.perf_counter() - started
-    assert ttft is not None
-    return sent, ttft
+    from tests.support.behaviour import seconds_to_first_chunk
+
+    sent = time.time()
+    return sent, seconds_to_first_chunk(client, " ".join(["why"] * words) + f" {i}?")
 
 
 def spans_by_job(traces: Path) -> dict[str, list[dict]]:

@@ -109,6 +109,26 @@ def served_embedded(model: Path, root: Path) -> Iterator[str]:
         mesh.stop()
 
 
+def seconds_to_first_chunk(client: openai.OpenAI, content: str | list[dict]) -> float:
+    """A streamed chat call of one user message, greedy, without thinking, two tokens asked (the
+    first is not the last: the job goes through decode): seconds from the call to its first chunk
+    (the benchmarks' time to first token)."""
+    started = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        extra_body={"thinking": {"type": "disabled"}},
+    )
+    elapsed = None
+    for _ in stream:
+        elapsed = elapsed or time.perf_counter() - started
+    assert elapsed is not None
+    return elapsed
+
+
 def one_process_answer(model: Path, body: dict, endpoint: str = "chat.completions") -> dict:
     """The complete response to a greedy request, computed by the engine in this process."""
     return one_process_answers(model, [(endpoint, body)])[0]
