@@ -465,7 +465,9 @@ class KafkaConsumerAdapter:
         self._consumer.subscribe(topics)
         self._pending: list[Record] = []
         self._from_beginning = from_beginning
-        self._member_id = ""  # the group's id for this member at the last membership_changed ("": none)
+        # the group's id for this member when its first records came, then at the last
+        # membership_changed ("": none)
+        self._member_id = ""
         self._joined = False  # it has had an id
 
     def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
@@ -479,6 +481,12 @@ class KafkaConsumerAdapter:
             # enough for the whole join lets it finish.
             timeout = max(timeout, REJOIN_POLL_SECONDS)
         batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
+        if not self._joined and self._consumer.assignment():
+            # The member its first records are delivered under, taken here and not at the first
+            # membership_changed: a process stopped between the two would otherwise take the
+            # member it rejoined as for its first, and never see that it had been removed.
+            self._member_id = self._consumer.group_metadata().member_id or ""
+            self._joined = bool(self._member_id)
         records = []
         for messages in batches.values():
             for m in messages:

@@ -169,7 +169,8 @@ def test_a_member_stopped_past_its_session_sees_its_membership_change_and_starts
     """A real fault: the member's process is stopped (SIGSTOP) until the group gives its partitions
     to another, then resumed. It learns it is no longer the member it was (what it still holds
     is stale) and, rewound, gets each partition again from its committed offset, not from where
-    it had read to."""
+    it had read to. It stops itself as soon as it holds its records, before its loop first asks
+    about its membership: a stop there once went unseen, and a signal from here hit it by chance."""
     bootstrap = require_service("DEEPMESH_KAFKA_BOOTSTRAP")
     bus = KafkaBus(bootstrap, session_timeout_ms=STOPPED_MEMBER_SESSION_MS)
     topic, group = fresh(bus, partitions=2), f"g-{uuid.uuid4().hex[:8]}"
@@ -185,7 +186,10 @@ def test_a_member_stopped_past_its_session_sees_its_membership_change_and_starts
     other = None
     try:
         assert lines.get(timeout=60)["event"] == "ready"
-        member.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _process_state(member.pid) != "T":
+            assert time.monotonic() < deadline, "the member never stopped itself"
+            time.sleep(0.01)
         other = bus.consumer([topic], group)
         deadline = time.monotonic() + 60
         while len(other.owned()) < 2:  # the group evicts the silent member and gives this one both
@@ -207,6 +211,12 @@ def test_a_member_stopped_past_its_session_sees_its_membership_change_and_starts
         if other is not None:
             other.close()
         bus.close()
+
+
+def _process_state(pid: int) -> str:
+    """R, S, T (stopped)...: the field after the command's name in /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_memory_bus_refuses_unknown_topics():

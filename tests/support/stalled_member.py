@@ -3,14 +3,17 @@
     python -m tests.support.stalled_member BOOTSTRAP TOPIC GROUP
 
 It takes what the group gives it, commits the first record of each partition as done (the rest
-stay in flight, as a worker's unfinished jobs), then polls as a busy worker does, between
-engine steps. It prints one JSON line per event: `ready` once it holds every record, `changed`
-when its membership changes, and after that the offsets it is delivered.
+stay in flight, as a worker's unfinished jobs), prints `ready` and stops itself (SIGSTOP) at
+once: records in hand, before its loop has once asked whether its membership changed. Resumed
+(SIGCONT), it polls as a busy worker does, between engine steps, and prints one JSON line per
+event: `changed` when its membership changes, and after that the offsets it is delivered.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 
@@ -27,6 +30,7 @@ def main(bootstrap: str, topic: str, group: str) -> None:
             held.setdefault(record.partition, []).append(record.offset)
     consumer.commit({(topic, partition): 1 for partition in held})
     print(json.dumps({"event": "ready"}), flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # the stop a test could only hit here by chance
     changed = False
     while True:
         records = consumer.poll(timeout=0.002)
