@@ -51,16 +51,16 @@ def resident_tokens(reports: Sequence[LoadReport], tenant: str, prompt: Sequence
     longer than the prompt less the tokens the replica always computes (`keep_tokens`, as the
     engine's reusable_prefix), then of those, the ones whose own key is the prompt's at their length."""
 
-    def usable(report: LoadReport) -> int:
-        return max(0, len(prompt) - report.keep_tokens)
-
     hashed = PromptKeys(tenant, prompt)
     boundaries = hashed.at(range(0, len(prompt) + 1, BLOCK_SIZE))
     bases = [(n, reported(key)) for n, key in boundaries.items()]
-    candidates = {
-        r.replica: [held for base in bases for held in r.by_base().get(base, ()) if held[0] <= usable(r)]
-        for r in reports
-    }
+
+    def held(report: LoadReport) -> list[tuple[int, str]]:
+        # by_base once a report, not once a base: an agent's 20,000-token prompt has 157 bases
+        index, usable = report.by_base(), max(0, len(prompt) - report.keep_tokens)
+        return [entry for base in bases for entry in index.get(base, ()) if entry[0] <= usable]
+
+    candidates = {r.replica: held(r) for r in reports}
     keys = hashed.at({n for held in candidates.values() for n, _ in held})
     wanted = {n: reported(key) for n, key in keys.items()}
     return {replica: max((n for n, key in held if wanted[n] == key), default=0) for replica, held in candidates.items()}
