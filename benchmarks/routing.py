@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from multiturn_replay import Trie, segment, synthetic_trace
 from prometheus_client import REGISTRY
+from routing_sim import agentic_trace
 
 from cache_svc.store import StateStore
 from common.bus import Bus, KafkaBus, MemoryBus
@@ -125,6 +126,7 @@ class SimModel:
 
     def __init__(self, model: torch.nn.Module, cost: CostModel, slowdown: float = 1.0):
         self.config, self.lm_head = model.config, model.lm_head
+        self.mtp: list = []  # no drafting module: the engine decodes a token a step
         self.cost, self.slowdown = cost, slowdown
         self.busy_seconds = 0.0  # time spent "computing": what the imbalance is measured on
 
@@ -325,6 +327,24 @@ def multiturn_sessions(seed: int, conversations: int, turns: int) -> list[list[d
     return [sorted(s, key=lambda t: t["turn"]) for s in sessions.values()]
 
 
+def agentic_sessions(seed: int, count: int, scale: float, max_context: int) -> list[list[dict]]:
+    """benchmarks/routing_sim.py's agentic trace as sessions of this script's lines (a turn's
+    think time with it): the same sessions that simulation replays."""
+    trace, rng = agentic_trace(seed, count, scale, max_context), random.Random(seed)
+    return [
+        [
+            {
+                "input": ([[10_000 + t.system, trace.systems[t.system]]] if t.system is not None else [])
+                + [[rng.randrange(1 << 40), t.input_tokens]],
+                "output_tokens": t.output_tokens,
+                "think_seconds": t.think_seconds,
+            }
+            for t in turns
+        ]
+        for turns in trace.sessions
+    ]
+
+
 def mooncake_lines(seed: int, count: int, block: int = 512) -> list[dict]:
     """A Mooncake-format trace: requests over a few long shared documents (Zipf-popular), each
     a document's first blocks plus blocks of its own, arrivals Poisson at 1 per second."""
@@ -376,7 +396,7 @@ def replay(args, driver: Driver, workload: str, rate: float, seconds: float, kil
             with seen_lock:
                 seen.add(prompt + job.generated)
             context = prompt + job.generated
-            time.sleep(rng.expovariate(2.0))  # the user reads, then types the next turn
+            time.sleep(line.get("think_seconds") or rng.expovariate(2.0))  # the user reads, then types the next turn
             if time.perf_counter() - started > seconds * 1.5:
                 return
 
@@ -391,8 +411,13 @@ def replay(args, driver: Driver, workload: str, rate: float, seconds: float, kil
                 killed = True
             time.sleep(0.002)
 
-    if workload == "multiturn":
-        sessions = multiturn_sessions(args.seed, int(rate * seconds * 2) + 10, args.turns)
+    if workload in ("multiturn", "agentic"):
+        if workload == "agentic":  # arrivals from their own generator, as the simulation draws them
+            count = int(rate * seconds * 2) + 10
+            sessions = agentic_sessions(args.seed, count, args.agentic_scale, args.agentic_max_context)
+            rng = random.Random(args.seed)
+        else:
+            sessions = multiturn_sessions(args.seed, int(rate * seconds * 2) + 10, args.turns)
         at = 0.0
         for turns in sessions:
             at += rng.expovariate(rate)
@@ -473,6 +498,7 @@ def run(
         jobs = replay(args, driver, workload, rate, args.seconds, args.seconds / 2 if kill else None)
         elapsed = max(j.finished_at for j in jobs if j.done.is_set()) - started if jobs else 0.0
         meter.stopping.set()
+        measured_speeds = [(r.tokens_per_second, r.load_tokens_per_second) for r in replicas.table.live("prefill")]
         replicas.close()
     done = [j for j in jobs if j.done.is_set()]
     ttfts = [j.ttft for j in done if j.ttft is not None]
@@ -496,6 +522,7 @@ def run(
         "computed_tokens": counter("miss") - miss,
         "decision_p99_ms": percentile(policy.decision_seconds, 99) * 1e3 if policy.decision_seconds else None,
         "timeline": sorted((j.sent - started, j.ttft) for j in done if j.ttft is not None),
+        "replica_speeds": measured_speeds,  # (compute, load) tokens per second, as the replicas reported them
     }
     served = result["tier0_tokens"] + result["cache_service_tokens"]
     result["hits_vs_ideal"] = served / result["ideal_tokens"] if result["ideal_tokens"] else None
@@ -589,8 +616,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=40.0, help="how long each run sends new work")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--rates", type=str, default="", help="comma-separated session rates to sweep (default: found)")
-    parser.add_argument("--workloads", type=str, default="multiturn,mooncake")
+    parser.add_argument("--workloads", type=str, default="multiturn,mooncake", help="multiturn, mooncake, agentic")
     parser.add_argument("--mooncake", type=Path, default=None, help="a Mooncake trace (JSON lines) to replay")
+    parser.add_argument("--agentic-scale", type=float, default=0.5, help="the agentic trace's token counts, scaled")
+    parser.add_argument("--agentic-max-context", type=int, default=7000, help="its sessions end before this")
     parser.add_argument(
         "--cost-scale",
         type=float,

@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from common.replicas import ReplicaTable
 from common.routing import DEFAULT_TOKENS_PER_SECOND
@@ -24,11 +25,13 @@ BYTES_PER_TOKEN = 4  # a request body's size in tokens, roughly, before the toke
 
 
 class Admission:
-    def __init__(self, replicas: ReplicaTable, max_wait_seconds: float):
+    def __init__(self, replicas: ReplicaTable, max_wait_seconds: float, clock: Callable[[], float] = time.time):
+        """`clock`: the time reports are stamped in (a simulation's own)."""
         self.replicas = replicas
         self.max_wait_seconds = max_wait_seconds
+        self.clock = clock
         self._lock = threading.Lock()
-        self._admitted: deque[tuple[float, int]] = deque()  # (time.time(), estimated tokens)
+        self._admitted: deque[tuple[float, int]] = deque()  # (clock(), estimated tokens)
 
     def predicted_wait(self) -> float | None:
         """Seconds until the least loaded prefill replica could start a new prompt (None: no
@@ -53,5 +56,5 @@ class Admission:
         if wait is not None and wait > self.max_wait_seconds:
             return max(1, math.ceil(wait - self.max_wait_seconds))
         with self._lock:
-            self._admitted.append((time.time(), body_bytes // BYTES_PER_TOKEN))
+            self._admitted.append((self.clock(), body_bytes // BYTES_PER_TOKEN))
         return None
