@@ -41,8 +41,7 @@ lint: $(INSTALLED)
 # module whole in one of them, then the tests marked `alone` (the system tier's clusters, compiles
 # and restarts, and schemathesis's). Behind, from the start, at the lowest CPU priority
 # (scripts/lowest-priority), on two workers too: the system tier's `in_process` modules (long
-# computations in their own process, no services, no deadline), a module to a worker but a
-# module's model families apart (tests/conftest.py). They run on what the front lane
+# computations in their own process, no services, no deadline). They run on what the front lane
 # leaves idle while it waits on the broker, on timeouts and on killed processes; their report
 # follows the front's.
 # DeepInfer's source (and SGLang's), whose plain-torch references the V4.1 tests compare against:
@@ -57,7 +56,7 @@ BEHIND_LOG := .cache/test-in-process.log
 test: lint $(REFERENCE)
 	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 DEEPMESH_REQUIRE_REFERENCE=1 && \
 	{ env -u DEEPMESH_KAFKA_BOOTSTRAP scripts/lowest-priority \
-		$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder -m in_process --durations=10 >$(BEHIND_LOG) 2>&1 & } && \
+		$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m in_process --durations=10 >$(BEHIND_LOG) 2>&1 & } && \
 	{ behind_pid=$$!; trap 'kill -- -$$behind_pid 2>/dev/null' INT TERM; \
 	  $(BIN)/pytest -n 2 --dist loadfile -m "not alone and not in_process" --durations=15 && \
 	  $(BIN)/pytest -m alone --durations=15; front=$$?; wait $$behind_pid; behind=$$?; \

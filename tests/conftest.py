@@ -37,12 +37,7 @@ STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
 
 
 SYSTEM_TIER = Path(__file__).resolve().parent / "system"
-# the longest work units of the in_process tests, longest first
-LONGEST_GROUPS = [
-    "test_compiled_decode.py-deepseek_v4",
-    "test_compiled_decode_inductor.py",
-    "test_compiled_decode.py-deepseek_v41",
-]
+LONGEST_MODULES = [SYSTEM_TIER / "test_compiled_decode.py", SYSTEM_TIER / "test_compiled_decode_inductor.py"]
 BROKER_NAMES = pytest.StashKey[BrokerNames]()
 
 
@@ -55,24 +50,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SYSTEM_TIER in item.path.parents and item.get_closest_marker("in_process") is None:
             item.add_marker(pytest.mark.alone)
-        if item.get_closest_marker("in_process") is not None:
-            item.add_marker(pytest.mark.xdist_group(in_process_group(item)))
-    # the longest groups first: on workers, started last they would run alone at the end (the
+    # the longest modules first: on workers, started last they would run alone at the end (the
     # Makefile's --no-loadscope-reorder keeps this order; xdist's own is by number of tests)
-    order = {group: i for i, group in enumerate(LONGEST_GROUPS)}
-    items.sort(key=lambda item: order.get(in_process_group(item), len(order)))
+    order = {path: i for i, path in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: order.get(item.path, len(order)))
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
-
-
-def in_process_group(item: pytest.Item) -> str:
-    """The work unit an in_process test runs in (the Makefile's --dist loadgroup): its module, as
-    --dist loadfile would have it, but a module's families apart: each family's compiled graphs
-    are a module fixture of their own, minutes long, and two of them on one worker were the
-    suite's tail."""
-    callspec = getattr(item, "callspec", None)
-    family = callspec.params.get("family") if callspec is not None else None
-    return item.path.name + (f"-{family}" if family else "")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
