@@ -522,11 +522,21 @@ def run(
         "computed_tokens": counter("miss") - miss,
         "decision_p99_ms": percentile(policy.decision_seconds, 99) * 1e3 if policy.decision_seconds else None,
         "timeline": sorted((j.sent - started, j.ttft) for j in done if j.ttft is not None),
+        # decode's time a token after the first, per answer: what sets when a session's next turn comes
+        "itl_p50": percentile(itls, 50) if (itls := answer_itls(done)) else None,
         "replica_speeds": measured_speeds,  # (compute, load) tokens per second, as the replicas reported them
     }
     served = result["tier0_tokens"] + result["cache_service_tokens"]
     result["hits_vs_ideal"] = served / result["ideal_tokens"] if result["ideal_tokens"] else None
     return result
+
+
+def answer_itls(jobs: list[Job]) -> list[float]:
+    return [
+        (j.finished_at - j.sent - j.ttft) / (len(j.generated) - 1)
+        for j in jobs
+        if j.ttft is not None and len(j.generated) > 1
+    ]
 
 
 def decision_time_at(replicas: int, prompt_tokens: int = 4096, samples: int = 2000) -> float:

@@ -237,6 +237,7 @@ class Job:
     source: str = "computed"  # where the start came from: tier0, t1, t2, computed
     remaining: int = 0
     ttft: float | None = None
+    answered_at: float | None = None  # when its last token reached the client
 
     @property
     def prompt(self) -> array:
@@ -361,6 +362,7 @@ class Simulation:
     def answered(self, job: Job) -> None:
         """Decode stored the conversation's end and asked its prefill replica to hold it; the
         next turn comes after the think time."""
+        job.answered_at = self.clock.now
         session = job.session
         session.answer(job.output_tokens)
         end = len(session.tokens)
@@ -576,6 +578,14 @@ def measured(sim: Simulation, policy: str, rate: float, window: tuple[float, flo
         "computed_tokens": computed,
         "refused_calls": sim.refused,
         "decision_p99_ms": percentile(sim.decision_seconds, 99) * 1e3,
+        "itl_p50": percentile(
+            [
+                (j.answered_at - j.sent - j.ttft) / (j.output_tokens - 1)
+                for j in jobs
+                if j.answered_at is not None and j.ttft is not None and j.output_tokens > 1
+            ],
+            50,
+        ),
     }
 
 
@@ -778,6 +788,10 @@ def check_live(args: argparse.Namespace) -> None:
         predicted = simulate(trace, 2, rate, policy, seconds, costs, args.seed, whole_run=True)
         rows.append((policy, real, predicted))
         print(f"  {policy}: measured {_ttfts(real)}, predicted {_ttfts(predicted)}", flush=True)
+        print(
+            f"    decode, a token: measured {real['itl_p50'] * 1e3:.0f} ms,"
+            f" predicted {predicted['itl_p50'] * 1e3:.0f} ms"
+        )
     print(f"{rate:.3f} sessions/s for {seconds:g} s, 2 prefill replicas, predicted busy {predicted['busy_share']:.0%}:")
     print("| policy | turns measured / predicted | TTFT P50 measured / predicted | P90 | P99 |")
     print("| --- | ---: | ---: | ---: | ---: |")
