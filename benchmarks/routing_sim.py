@@ -36,11 +36,12 @@ hashing's P90 TTFT is 2 s is found by bisection, and every policy is run at it.
 
 Measured per run: TTFT P50/P90/P99, the per-second imbalance of prefill work (max / mean of the
 time each replica spent computing in that second, over the seconds the replicas were at least
-half busy on average; P95), prompt tokens served from tier 0, from the cache service and
-computed, calls admission refused, and the router's decision time (wall clock).
+half busy on average; P95; and the same over 10 s windows), prompt tokens served from tier 0,
+from the cache service and computed, calls admission refused, and the router's decision time
+(wall clock).
 
-    python benchmarks/routing_sim.py [--replicas 8 16 64 --seconds 60 --seed 0]
-    python benchmarks/routing_sim.py --live   # its prediction against benchmarks/routing.py's real workers
+    python benchmarks/routing_sim.py [--replicas 8 16 64 --seconds 120 --seed 0]
+    python benchmarks/routing_sim.py --live [--live-rate 0.5 --cost-scale 8]  # against real workers
 """
 
 from __future__ import annotations
