@@ -39,21 +39,20 @@ import tempfile
 import threading
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from multiturn_replay import Trie, segment, synthetic_trace
 from prometheus_client import REGISTRY
-from routing_sim import agentic_trace
+from routing_sim import Policy, agentic_trace, percentile
 
 from cache_svc.store import StateStore
 from common.bus import Bus, KafkaBus, MemoryBus
 from common.messages import Envelope, PrefillPayload, Sampling, TokensPayload, decode
 from common.prefixes import reported_entry
 from common.replicas import Dispatch, LoadReport, ReplicaTable, ReportListener
-from common.routing import Route, Router, backlog_tokens, choose_prefill
+from common.routing import choose_prefill
 from common.settings import Settings
 from common.topics import Topic, create_all, topic_name
 from common.worker import ROUTED_TO, run_workers
@@ -233,38 +232,6 @@ class Replicas:
         self.store.flush()
 
 
-class Policy:
-    """How the benchmark's router picks a prefill replica: one of POLICIES."""
-
-    def __init__(self, name: str, table: ReplicaTable):
-        self.name, self.table = name, table
-        self.router = Router(table, "prefill")
-        self.turn = 0
-        self.decision_seconds: list[float] = []
-
-    def route(self, job_id: str, prompt: list[int]) -> Route:
-        started = time.perf_counter()
-        if self.name == "deepmesh":
-            route = self.router.prefill(job_id, "default", prompt)
-        elif self.name == "hashing":
-            route = Route(None, None, "hash", len(prompt))
-        else:
-            live = sorted(self.table.live("prefill"), key=lambda r: r.replica)
-            if self.name == "round_robin":
-                chosen = live[self.turn % len(live)]
-                self.turn += 1
-            else:  # least_loaded: queued tokens and what this router sent since, blind to prefixes
-
-                def load(report: LoadReport) -> tuple[int, int]:
-                    backlog = backlog_tokens(report, self.table.in_flight(report))
-                    return backlog, zlib.crc32(f"{job_id}{report.replica}".encode())
-
-                chosen = min(live, key=load)
-            route = Route(chosen.replica, chosen.partitions[0], "load", len(prompt))
-        self.decision_seconds.append(time.perf_counter() - started)
-        return route
-
-
 class Driver:
     """Sends jobs to prefill as the policy routes them and times their tokens."""
 
@@ -412,12 +379,12 @@ def replay(args, driver: Driver, workload: str, rate: float, seconds: float, kil
             time.sleep(0.002)
 
     if workload in ("multiturn", "agentic"):
+        count = int(rate * seconds * 2) + 10
         if workload == "agentic":  # arrivals from their own generator, as the simulation draws them
-            count = int(rate * seconds * 2) + 10
             sessions = agentic_sessions(args.seed, count, args.agentic_scale, args.agentic_max_context)
             rng = random.Random(args.seed)
         else:
-            sessions = multiturn_sessions(args.seed, int(rate * seconds * 2) + 10, args.turns)
+            sessions = multiturn_sessions(args.seed, count, args.turns)
         at = 0.0
         for turns in sessions:
             at += rng.expovariate(rate)
@@ -477,11 +444,6 @@ def imbalance_p95(rows: list[list[float]]) -> float | None:
         if mean >= 0.5:  # the replicas were at least half busy: balance matters
             ratios.append(max(row) / mean)
     return percentile(ratios, 95) if ratios else None
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
 
 
 def run(

@@ -245,6 +245,40 @@ class Job:
         return self.session.tokens[: self.length]
 
 
+class Policy:
+    """How a benchmark's router picks a prefill replica: one of POLICIES (benchmarks/routing.py
+    runs all but session hashing). The hashings name no replica: the job goes where its key
+    hashes, as Kafka's partitioner places it; so does every job before a replica has reported."""
+
+    def __init__(self, name: str, table: ReplicaTable):
+        self.name, self.table = name, table
+        self.router = Router(table, "prefill")
+        self.turn = 0
+        self.decision_seconds: list[float] = []
+
+    def route(self, job_id: str, prompt: Sequence[int]) -> Route:
+        started = time.perf_counter()
+        live = sorted(self.table.live("prefill"), key=lambda r: r.replica)
+        if self.name == "deepmesh":
+            route = self.router.prefill(job_id, TENANT, prompt)
+        elif self.name in ("hashing", "session_hashing") or not live:
+            route = Route(None, None, "hash", len(prompt))
+        else:
+            if self.name == "round_robin":
+                chosen = live[self.turn % len(live)]
+                self.turn += 1
+            else:  # least_loaded: queued tokens and what this router sent since, blind to prefixes
+
+                def load(report: LoadReport) -> tuple[int, int]:
+                    backlog = backlog_tokens(report, self.table.in_flight(report))
+                    return backlog, zlib.crc32(f"{job_id}{report.replica}".encode())
+
+                chosen = min(live, key=load)
+            route = Route(chosen.replica, chosen.partitions[0], "load", len(prompt))
+        self.decision_seconds.append(time.perf_counter() - started)
+        return route
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -261,19 +295,17 @@ class Simulation:
     ):
         """`cutoff`: no session sends a turn after it (as benchmarks/routing.py's sessions)."""
         self.clock = Clock()
-        self.costs, self.policy = costs, policy
+        self.costs = costs
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = 0
         self.table = ReplicaTable(clock=self.clock)
-        self.router = Router(self.table, "prefill")
+        self.policy = Policy(policy, self.table)
         self.admission = Admission(self.table, admission_wait, clock=self.clock)
         self.store = PrefixIndex(None)  # the cache service: every anchor, on disk (T2) at least
         self.t1 = PrefixIndex(costs.t1_tokens)  # those in its memory too
         self.replicas = [SimReplica(self, i) for i in range(replicas)]
         self.decoders = [SimDecoder(self) for _ in range(costs.decode_replicas)]
         self.jobs: list[Job] = []
-        self.decision_seconds: list[float] = []
-        self.turn = 0  # round-robin's
         self.refused = 0  # calls admission control answered with a 429
         self.open_sessions = 0  # sessions arrived or to arrive, not yet at their last answer
         self.cutoff = cutoff
@@ -321,36 +353,16 @@ class Simulation:
         )
         self.jobs.append(job)
         replica, route = self.route(job)
-        if route is not None:
-            self.router.sent(route, (replica.index, replica.produced))
+        self.policy.router.sent(route, (replica.index, replica.produced))  # a route to no replica counts nothing
         replica.produced += 1
         self.after(self.costs.hop_seconds, lambda: replica.take(job))
 
-    def route(self, job: Job) -> tuple[SimReplica, Route | None]:
-        """The replica, and the route to count as in flight (None: hashing, which counts nothing)."""
-        started = time.perf_counter()
-        live = sorted(self.table.live("prefill"), key=lambda r: r.replica)
-        by_name = {r.name: r for r in self.replicas}
-        if self.policy == "deepmesh" and live:
-            route = self.router.prefill(job.job_id, TENANT, job.prompt)
-        elif self.policy == "round_robin" and live:
-            route = Route(live[self.turn % len(live)].replica, None, "load", job.length)
-            self.turn += 1
-        elif self.policy == "least_loaded" and live:  # queued tokens and what was sent since, blind to prefixes
-
-            def load(report: LoadReport) -> tuple[int, int]:
-                return backlog_tokens(report, self.table.in_flight(report)), zlib.crc32(
-                    f"{job.job_id}{report.replica}".encode()
-                )
-
-            route = Route(min(live, key=load).replica, None, "load", job.length)
-        else:
-            key = f"s{job.session.index}" if self.policy == "session_hashing" else job.job_id
-            self.decision_seconds.append(time.perf_counter() - started)
-            return self.replicas[zlib.crc32(key.encode()) % len(self.replicas)], None
-        self.decision_seconds.append(time.perf_counter() - started)
-        assert route.replica is not None
-        return by_name[route.replica], route
+    def route(self, job: Job) -> tuple[SimReplica, Route]:
+        route = self.policy.route(job.job_id, job.prompt)
+        if route.replica is not None:
+            return next(r for r in self.replicas if r.name == route.replica), route
+        key = f"s{job.session.index}" if self.policy.name == "session_hashing" else job.job_id
+        return self.replicas[zlib.crc32(key.encode()) % len(self.replicas)], route
 
     def first_token(self, job: Job, replica: SimReplica) -> None:
         job.ttft = self.clock.now + self.costs.hop_seconds - job.sent
@@ -578,7 +590,7 @@ def measured(sim: Simulation, policy: str, rate: float, window: tuple[float, flo
         "t2_tokens": tokens["t2"],
         "computed_tokens": computed,
         "refused_calls": sim.refused,
-        "decision_p99_ms": percentile(sim.decision_seconds, 99) * 1e3,
+        "decision_p99_ms": percentile(sim.policy.decision_seconds, 99) * 1e3,
         "itl_p50": percentile(
             [
                 (j.answered_at - j.sent - j.ttft) / (j.output_tokens - 1)
