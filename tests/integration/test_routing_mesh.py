@@ -98,7 +98,8 @@ def test_a_follow_up_goes_back_to_the_replica_that_holds_its_conversation(replic
     while max(held(usable_only=False)) <= turn_1:
         assert time.monotonic() < deadline, f"no replica reports the answered conversation: {held(False)}"
         time.sleep(0.05)
-    holder = mesh.prefills[held(usable_only=False).index(max(held(usable_only=False)))]
+    holding = held(usable_only=False)
+    holder = mesh.prefills[holding.index(max(holding))]
     # what the holder may start from: all it holds (V4), or its longest prefix before the kept tokens
     # (V4.1); the router counts the same from its report
     expected = holder.engine.resident_tokens("default", prompt)
