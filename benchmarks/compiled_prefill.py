@@ -1,17 +1,23 @@
-"""Prefill eager against prefill compiled, on one sequence's chunk, in one process.
+"""Prefill eager against prefill compiled, in one process.
 
-The engine's prefill stays eager (docs/engine.md: The compiled decode step). This measures what a
-compiled prefill could gain at most: torch.compile (Inductor) of the model's forward for one
-exact chunk (one sequence, one start, one length), called again on the same chunk, against the
-eager forward on the same chunk. A served prefill would need a graph per chunk length and
-start, or a graph with those dynamic; this is the bound such work could reach.
+Three ways to run a prefill step of one sequence (its first chunk, `--lengths` tokens) and of four
+sequences at once (a quarter of the tokens each):
+- eager: the model's forward, as the engine runs it without `compile_prefill`;
+- pieces: what the engine runs with `compile_prefill` (engine/compiled_prefill.py): everything but
+  the attention cores compiled with Inductor, one graph per token bucket, the cores eager;
+- bound (`--bound`): the whole forward compiled for that one exact step (one sequence, start 0, one
+  length), what a compiled prefill could gain at most; not servable as is (it would need a graph
+  per chunk length, start and mix of sequences).
+Then, through the engine: the time to the first token of a new prompt (`generate`, max_tokens 1, a
+different prompt each round) with and without `compile_prefill`.
 
-    python benchmarks/compiled_prefill.py [--config tiny-vocab|small] [--lengths 64 256 1024]
-        [--rounds 7]
+    python benchmarks/compiled_prefill.py [--config small|tiny-vocab] [--lengths 16 64 256 1024]
+        [--rounds 7] [--bound]
 
-Prints, per chunk length: eager and compiled milliseconds (medians of alternating rounds), their
-ratio, the seconds the first compiled call took, the graphs Dynamo made of the forward (one per
-stretch between graph breaks), and the largest difference of the chunk's last hidden state.
+Prints, per step: milliseconds (medians of alternating rounds), tokens/s, the ratio to eager, the
+largest difference of the rows' final hidden states from eager's and how many rows differ by more
+than 1e-3 (where a CSA layer's indexer chooses another entry at a near tie, the ~1e-6 rounding of
+compiled kernels changes that row and the rows after it that read it); then the engine's TTFTs.
 """
 
 from __future__ import annotations
@@ -19,63 +25,131 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
 
-from engine import LLMEngine
+from engine import LLMEngine, SamplingParams
 from engine.checkpoint.make_model import write_checkpoint
 from engine.model import SeqSlice, StepInput
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def medians(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Each run's median seconds over `rounds`, the runs alternating in order and reversed."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(rounds):
+        order = list(runs.items())
+        for name, run in order if round_ % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def step_of(engine: LLMEngine, lengths: list[int], generator: torch.Generator) -> tuple[StepInput, Callable[[], None]]:
+    """A prefill step of new sequences with these chunk lengths (each from position 0), and what frees their state."""
+    cache = engine.cache
+    slots = [cache.allocate_slot() for _ in lengths]
+    blocks = [[cache.block_allocator.allocate() for _ in range(cache.blocks_needed(n))] for n in lengths]
+    tokens = torch.randint(0, engine.config.vocab_size, (sum(lengths),), generator=generator)
+    step = StepInput.of(
+        tokens, [SeqSlice(slot, 0, n, table) for slot, n, table in zip(slots, lengths, blocks, strict=True)]
+    )
+
+    def free() -> None:
+        for slot, table in zip(slots, blocks, strict=True):
+            for block in table:
+                cache.block_allocator.release(block)
+            cache.release_slot(slot)
+
+    return step, free
+
+
+def compare_steps(engine: LLMEngine, lengths: list[int], rounds: int, bound: bool) -> None:
+    model, cache, pieces = engine.model, engine.cache, engine.compiled_prefill
+    generator = torch.Generator().manual_seed(0)
+    header = f"{'step':>10} | {'eager ms':>8} | {'pieces ms':>9} | {'x eager':>7} | {'tok/s eager':>11}"
+    header += f" | {'tok/s pieces':>12}"
+    print(header + (f" | {'bound ms':>8} | {'x eager':>7}" if bound else "") + " | max diff | rows > 1e-3")
+    cases = [[n] for n in lengths] + [[n // 4] * 4 for n in lengths if n >= 64]
+    for case in cases:
+        step, free = step_of(engine, case, generator)
+        with torch.inference_mode():
+            eager_rows = model(step, cache)
+            runs = {"eager": lambda step=step: model(step, cache), "pieces": lambda step=step: pieces(step)}
+            diff = (pieces(step)[0] - eager_rows).abs().amax(dim=1)
+            if bound and len(case) == 1:
+                whole = torch.compile(model.forward, dynamic=False)
+                whole(step, cache)
+                runs["bound"] = lambda step=step, whole=whole: whole(step, cache)
+            ms = {name: seconds * 1e3 for name, seconds in medians(runs, rounds).items()}
+        free()
+        tokens = sum(case)
+        label = f"{tokens}" if len(case) == 1 else f"4 x {case[0]}"
+        line = f"{label:>10} | {ms['eager']:>8.1f} | {ms['pieces']:>9.1f} | {ms['eager'] / ms['pieces']:>6.2f}x"
+        line += f" | {tokens / ms['eager'] * 1e3:>11.0f} | {tokens / ms['pieces'] * 1e3:>12.0f}"
+        if bound:
+            line += (
+                f" | {ms['bound']:>8.1f} | {ms['eager'] / ms['bound']:>6.2f}x"
+                if "bound" in ms
+                else f" | {'':>8} | {'':>7}"
+            )
+        print(f"{line} | {diff.max().item():>8.1e} | {(diff > 1e-3).sum().item():>10}")
+
+
+def compare_ttft(eager: LLMEngine, compiled: LLMEngine, lengths: list[int], rounds: int) -> None:
+    """Time to the first token of a new prompt through each engine (a different prompt each round:
+    nothing is cached)."""
+    print(f"\n{'prompt':>6} | {'TTFT eager ms':>13} | {'compiled ms':>11} | {'x eager':>7} | same token")
+    generator = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for length in lengths:
+        prompts = [
+            torch.randint(0, eager.config.vocab_size, (length,), generator=generator).tolist() for _ in range(rounds)
+        ]
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        same = True
+        for prompt in prompts:
+            tokens = {}
+            for name, engine in (("eager", eager), ("compiled", compiled)):
+                start = time.perf_counter()
+                tokens[name] = engine.generate([prompt], params)[0].token_ids
+                times[name].append(time.perf_counter() - start)
+            same &= tokens["eager"] == tokens["compiled"]
+        eager_ms, compiled_ms = (statistics.median(times[name]) * 1e3 for name in ("eager", "compiled"))
+        print(f"{length:>6} | {eager_ms:>13.1f} | {compiled_ms:>11.1f} | {eager_ms / compiled_ms:>6.2f}x | {same}")
+
+
 def main() -> None:
     from engine_vs_transformers import CONFIGS  # the same two checkpoints as make bench
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny-vocab")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--bound", action="store_true", help="also the whole forward compiled for each exact step")
     args = parser.parse_args()
     path = ROOT / ".cache/models" / args.config
     if not (path / "config.json").is_file():
         write_checkpoint(path, CONFIGS[args.config], seed=0)
-    engine = LLMEngine.from_pretrained(path, max_num_seqs=2, max_num_batched_tokens=max(args.lengths))
-    model, cache = engine.model, engine.cache
+    budget = max(args.lengths)
+    eager = LLMEngine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=budget)
+    compiled = LLMEngine(
+        eager.model, weights=eager.weights, max_num_seqs=4, max_num_batched_tokens=budget, compile_prefill=True
+    )
+    start = time.perf_counter()
+    if not compiled.wait_compiled():
+        pieces = compiled.compiled_prefill
+        raise SystemExit(f"the prefill pieces did not compile: {pieces.failure if pieces else 'unavailable here'}")
     print(f"checkpoint {path}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'chunk':>6} | {'eager ms':>9} | {'compiled ms':>11} | {'ratio':>6} | {'compile s':>9} | graphs | max diff")
-    generator = torch.Generator().manual_seed(0)
-    for length in args.lengths:
-        slot = cache.allocate_slot()
-        blocks = [cache.block_allocator.allocate() for _ in range(cache.blocks_needed(length))]
-        tokens = torch.randint(0, engine.config.vocab_size, (length,), generator=generator)
-        step = StepInput.of(tokens, [SeqSlice(slot, 0, length, blocks)])
-        forward = torch.compile(model.forward, dynamic=False)
-        counters.clear()
-        with torch.inference_mode():
-            eager_out = model(step, cache)
-            start = time.perf_counter()
-            compiled_out = forward(step, cache)
-            compile_seconds = time.perf_counter() - start
-            times: dict[str, list[float]] = {"eager": [], "compiled": []}
-            for round_ in range(args.rounds):
-                order = [("eager", model), ("compiled", forward)]
-                for name, run in order if round_ % 2 == 0 else order[::-1]:
-                    start = time.perf_counter()
-                    run(step, cache)
-                    times[name].append(time.perf_counter() - start)
-        eager_ms, compiled_ms = (statistics.median(times[name]) * 1e3 for name in ("eager", "compiled"))
-        graphs = counters["stats"]["unique_graphs"]
-        diff = (eager_out[-1] - compiled_out[-1]).abs().max().item()
-        print(
-            f"{length:>6} | {eager_ms:>9.1f} | {compiled_ms:>11.1f} | {eager_ms / compiled_ms:>5.2f}x"
-            f" | {compile_seconds:>9.1f} | {graphs:>6} | {diff:.1e}"
-        )
-        for block in blocks:
-            cache.block_allocator.release(block)
-        cache.release_slot(slot)
+    print(
+        f"prefill pieces for buckets {compiled.compiled_prefill.buckets} ready in {time.perf_counter() - start:.1f} s\n"
+    )
+    compare_steps(compiled, args.lengths, args.rounds, args.bound)
+    compare_ttft(eager, compiled, args.lengths, args.rounds)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ theoretical minimum for the config.
     python benchmarks/engine_vs_transformers.py [--config small|tiny-vocab] [--batches 1 8 32]
         [--prompt-len 256] [--new-tokens 128] [--rounds 3] [--no-compile]
 
-The engine runs twice on the same prompts: decoding eager and decoding through its compiled
-graphs (engine/compiled_decode.py; the time to compile or load them is printed first).
+The engine runs twice on the same prompts: eager, and compiled as served (decode steps through
+its compiled graphs, engine/compiled_decode.py, and prefill steps through compiled pieces,
+engine/compiled_prefill.py, on a model that has them; the time to compile or load them is
+printed first).
 
 Two checkpoints: `small` (the preset: the real model's shape scaled down, with its 129,280-token
 vocabulary, whose output projection dominates a step) and `tiny-vocab` (4 layers, hidden 256,
@@ -158,13 +160,16 @@ def matmul_floor(model, batch: int, repeats: int = 5) -> float:
 
 
 def compiled_beside(eager: LLMEngine, options: dict) -> LLMEngine | None:
-    """An engine over the eager one's model whose decode steps all run through their compiled graphs
-    (compiled, or loaded from the Inductor cache, before it returns); None where none compiles."""
-    compiled = LLMEngine(eager.model, weights=eager.weights, compile_decode=True, **options)
+    """An engine over the eager one's model, compiled as served: its decode steps all run through
+    their compiled graphs and (DeepSeek-V4) its prefill steps through compiled pieces, compiled or
+    loaded from the Inductor cache before it returns; None where none compiles."""
+    compiled = LLMEngine(eager.model, weights=eager.weights, compile_decode=True, compile_prefill=True, **options)
     if not compiled.wait_compiled():
         return None
     graphs = compiled.compiled_decode
     print(f"decode graphs for batches {graphs.buckets} ready in {graphs.warm_up_seconds:.1f} s")
+    if (pieces := compiled.compiled_prefill) is not None:
+        print(f"prefill pieces for token buckets {pieces.buckets} ready in {pieces.warm_up_seconds:.1f} s more")
     return compiled
 
 

@@ -127,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
             service.add_argument("--port", type=int, default=8000 if name == "gateway" else 8100)
         else:
             service.add_argument("--metrics-port", type=int, default=None, help="/metrics port (DEEPMESH_METRICS_PORT)")
-        if name == "decode":
+        if name in ("prefill", "decode"):
             _compile_flag(service)
+        if name == "decode":
             _speculative_flags(service)
         if name == "cache":
             service.add_argument(
@@ -262,8 +263,8 @@ def _compile_flag(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="decode steps as compiled graphs, warmed up at start (default: DEEPMESH_COMPILE_DECODE, on); "
-        "--no-compile runs them eager",
+        help="decode steps as compiled graphs, and prefill steps as compiled pieces, warmed up at start "
+        "(default: DEEPMESH_COMPILE_DECODE and DEEPMESH_COMPILE_PREFILL, on); --no-compile runs both eager",
     )
 
 
@@ -290,6 +291,19 @@ def _speculation(args: argparse.Namespace, settings) -> dict:
         "speculative_max_batch": settings.speculative_max_batch,
         "speculative_min_confidence": settings.speculative_min_confidence,
     }
+
+
+def _compile_prefill(args: argparse.Namespace, settings) -> bool:
+    """Whether prefill steps run as compiled pieces (DeepSeek-V4); they compile after the decode graphs."""
+    compile_prefill = settings.compile_prefill if args.compile is None else args.compile
+    if compile_prefill:
+        logging.getLogger("engine.compiled_prefill").setLevel(logging.INFO)
+        print(
+            "compiling the prefill step's pieces in the background (DeepSeek-V4, after any decode graphs), "
+            "one set per token bucket; prompts are prefilled eager until a step's buckets are ready",
+            file=sys.stderr,
+        )
+    return compile_prefill
 
 
 def _compile_decode(args: argparse.Namespace, settings) -> bool:
@@ -342,6 +356,7 @@ def _serve(args: argparse.Namespace) -> int:
         maintenance_seconds=settings.cache_maintenance_seconds,
         resident_prefix_bytes=settings.resident_prefix_bytes,
         compile_decode=_compile_decode(args, settings),
+        compile_prefill=_compile_prefill(args, settings),
         speculation=_speculation(args, settings),
         default_thinking=settings.default_thinking if args.default_thinking is None else args.default_thinking,
         image_policy=ImagePolicy.from_settings(settings),
@@ -470,8 +485,10 @@ def _service(args: argparse.Namespace) -> int:
         return 0
     replicas = _replica_table(bus, settings.topic_prefix)
     compile_decode = _compile_decode(args, settings) if args.command == "decode" else False
+    compile_prefill = _compile_prefill(args, settings) if args.command == "prefill" else False
     speculation = _speculation(args, settings) if args.command == "decode" else {}
-    worker = _make_worker(args.command, bus, settings, model, replicas, compile_decode, speculation)
+    compiling = {"compile_decode": compile_decode, "compile_prefill": compile_prefill}
+    worker = _make_worker(args.command, bus, settings, model, replicas, compiling, speculation)
     metrics_port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
     if metrics_port:
         from prometheus_client import start_http_server
@@ -636,8 +653,9 @@ def _context_length(model: Path) -> int | None:
 
 
 def _make_worker(
-    command: str, bus, settings, model: Path, replicas, compile_decode: bool = False, speculation: dict | None = None
+    command: str, bus, settings, model: Path, replicas, compiling: dict | None = None, speculation: dict | None = None
 ):
+    """The worker of a service; `compiling`: the engine's compile_decode and compile_prefill."""
     if command == "tokenizer":
         from tokenizer_svc.images import ImagePolicy
         from tokenizer_svc.protocol import Codec
@@ -666,7 +684,7 @@ def _make_worker(
     # decode never starts from a prefix, so it keeps none resident
     resident = settings.resident_prefix_bytes if command == "prefill" else 0
     engine = LLMEngine.from_pretrained(
-        model, resident_prefix_bytes=resident, compile_decode=compile_decode, **(speculation or {})
+        model, resident_prefix_bytes=resident, **(compiling or {}), **(speculation or {})
     )
     retention = Retention.from_settings(settings)
     if command == "prefill":

@@ -40,6 +40,7 @@ class Mesh:
         anchor_interval: int = 1024,
         maintenance_seconds: float = 2.0,
         compile_decode: bool = False,
+        compile_prefill: bool = False,
         default_thinking: bool = False,
         speculation: dict | None = None,
         image_policy: ImagePolicy | None = None,
@@ -48,18 +49,19 @@ class Mesh:
         model_path = Path(model_path)
         self.bus = bus
         create_all(bus, topic_prefix, partitions)
-        prefill_engine = LLMEngine.from_pretrained(model_path, **engine_options)
-        # one copy of the weights; decode never starts from a prefix, so it keeps none resident
-        # only the decode engine runs decode steps (prefill samples one token per request), and
-        # only it speculates
+        # one copy of the weights, loaded by the decode engine first so that its graphs compile
+        # before the prefill engine's pieces (engine/compiled_prefill.py); decode never starts from a
+        # prefix, so it keeps none resident; only the decode engine runs decode steps (prefill
+        # samples one token per request), and only it speculates
         decode_options = {
             **engine_options,
             "resident_prefix_bytes": 0,
-            "grammars": prefill_engine.grammars,
             "compile_decode": compile_decode,
             **(speculation or {}),
         }
-        decode_engine = LLMEngine(prefill_engine.model, weights=prefill_engine.weights, **decode_options)
+        decode_engine = LLMEngine.from_pretrained(model_path, **decode_options)
+        prefill_options = {"grammars": decode_engine.grammars, **engine_options, "compile_prefill": compile_prefill}
+        prefill_engine = LLMEngine(decode_engine.model, weights=decode_engine.weights, **prefill_options)
         codec = Codec.for_model(model_path, served_model, default_thinking, image_policy)
         self.store = store
         self.maintenance_seconds = maintenance_seconds

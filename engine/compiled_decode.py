@@ -131,11 +131,12 @@ def _decode_function(size: int, streams: bool = False) -> Callable[..., tuple[to
     """_decode under a code object of its own. Dynamo keeps compiled graphs per code object and
     picks one by checking the call against each graph's guards in turn: one graph per bucket
     behind its own code object is one graph to pick from."""
-    return _named(_decode_with_streams if streams else _decode, size)
+    return _named(_decode_with_streams if streams else _decode, f"batch_{size}")
 
 
-def _named(function: Callable, size: int) -> Callable[..., tuple[torch.Tensor, ...]]:
-    code = function.__code__.replace(co_name=f"{function.__name__}_batch_{size}")
+def _named(function: Callable, label: str) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """`function` under a code object of its own, named `function`_`label`."""
+    code = function.__code__.replace(co_name=f"{function.__name__}_{label}")
     return types.FunctionType(code, function.__globals__, code.co_name)
 
 
@@ -234,11 +235,11 @@ class _SwitchInterval:
 _switch_interval = _SwitchInterval()
 
 
-_compiling: weakref.WeakSet[CompiledDecode] = weakref.WeakSet()
+_compiling: weakref.WeakSet[BucketGraphs] = weakref.WeakSet()  # what compiles graphs in this process
 
 
 def compiling_anywhere() -> bool:
-    """Whether a decode graph of this process is compiling now."""
+    """Whether a decode graph or prefill piece of this process is compiling now (or waiting to)."""
     return any(compiled.compiling for compiled in list(_compiling))
 
 
@@ -248,76 +249,30 @@ def _finish_compiling_before_exit() -> None:
     and the C++ runtime aborts the process: let the graph being compiled finish, compile no other."""
     for compiled in list(_compiling):
         if compiled.compiling:
-            log.info("exit waits for the decode graph being compiled (no further one starts)")
+            log.info("exit waits for the graph being compiled (no further one starts)")
         compiled.stop()
 
 
-class CompiledDecode:
-    """Runs decode steps through compiled graphs, each bucket once its graph is ready (`is_ready`);
-    the engine runs a step eager where its bucket is not, and always where this is None."""
+class BucketGraphs:
+    """Graphs compiled a bucket at a time, smallest first, on a thread of their own while the engine
+    steps eager; a step runs through its bucket's graphs once that bucket is ready. Subclasses say
+    how a bucket compiles (`_compile`, which adds it to `_ready`)."""
 
-    def __init__(
-        self,
-        model: DecodeModel,
-        cache: StateCache,
-        max_batch: int,
-        on_progress: Callable[[int, int], None] | None = None,
-        streams: bool = False,
-        dspark_block: int = 0,
-    ):
-        """`streams`: the graphs also give the residual streams (DecodeOutput.streams) the MTP drafter
-        reads, and each bucket has a graph of the drafter's rows too (`draft`). `dspark_block`: each
-        bucket also has a graph of DSpark's draft blocks of this many rows (`dspark`)."""
-        self.model, self.cache, self.streams, self.dspark_block = model, cache, streams, dspark_block
-        self.device = model.lm_head.weight.device
-        self.buckets = batch_buckets(max_batch)
-        self.min_width = min_width(cache)
-        kinds = {"decode": lambda size: _decode_function(size, streams)}
-        if streams:
-            kinds["draft"] = lambda size: _named(draft_rows, size)
-        if dspark_block:
-            kinds["dspark"] = lambda size: _named(draft_blocks, size)
-        backend = _compile_only(BACKEND)
-        self._graphs = {
-            (kind, size): torch.compile(function(size), backend=backend, dynamic=False, fullgraph=True)
-            for kind, function in kinds.items()
-            for size in self.buckets
-        }
-        # per graph compiled: the code to call it without Dynamo, or None (see _run)
-        self._direct: dict[tuple[str, int], Callable[..., tuple[torch.Tensor, ...]] | None] = {}
+    what = "decode"  # what the thread and the log lines name
+
+    def __init__(self, buckets: list[int]):
+        self.buckets = buckets
         self._ready: set[int] = set()  # buckets a step may run: written by the compiling thread only
-        self.on_progress = on_progress  # (buckets ready, buckets planned), after each bucket
         self._finished = threading.Event()  # every bucket ready, or compiling gave up
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.failure: str | None = None  # why compiling gave up, if it did
-        self.warm_up_seconds = 0.0
-        self.steps = 0  # decode steps run through a graph
-
-    @classmethod
-    def create(
-        cls,
-        model: DecodeModel,
-        cache: StateCache,
-        max_batch: int,
-        on_progress: Callable[[int, int], None] | None = None,
-        streams: bool = False,
-        dspark_block: int = 0,
-    ) -> CompiledDecode | None:
-        """A compiled decode step whose graphs compile in the background from now on; None (and one
-        log line) where compiling is unavailable."""
-        reason = compiler_available()
-        if reason is not None:
-            log.warning("decode runs eager: torch.compile is unavailable here (%s)", reason)
-            return None
-        compiled = cls(model, cache, max_batch, on_progress, streams, dspark_block)
-        compiled.start()
-        return compiled
+        self.warm_up_seconds = 0.0  # compiling (or loading) the buckets
 
     def start(self) -> None:
-        """Compile (or load from the disk cache) every bucket's graph on a thread of its own."""
+        """Compile (or load from the disk cache) every bucket's graphs on a thread of their own."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._compile_all, name="compile-decode", daemon=True)
+            self._thread = threading.Thread(target=self._compile_all, name=f"compile-{self.what}", daemon=True)
             _compiling.add(self)
             self._thread.start()
 
@@ -339,6 +294,91 @@ class CompiledDecode:
     @property
     def num_ready(self) -> int:
         return len(self._ready)
+
+    def _may_compile(self) -> bool:
+        """Whether the next bucket may start compiling now (else the thread asks again shortly)."""
+        return True
+
+    @torch.inference_mode()
+    def _compile_all(self) -> None:
+        """Compile every bucket's graphs, smallest first, while the engine steps."""
+        try:
+            with _switch_interval.shortened():
+                for size in self.buckets:
+                    while not self._may_compile() and not self._stopping.wait(0.5):
+                        pass
+                    if self._stopping.is_set():
+                        return
+                    start = time.perf_counter()
+                    self._compile(size)
+                    self.warm_up_seconds += time.perf_counter() - start
+            log.info("%s graphs of %d buckets ready in %.1f s", self.what, len(self.buckets), self.warm_up_seconds)
+        except Exception as error:  # a backend that cannot compile: its buckets stay eager
+            self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if threading.main_thread().is_alive():  # else the process is exiting, which stopped the compiler
+                log.warning("%s runs eager: torch.compile is unavailable here (%s)", self.what, self.failure)
+        finally:
+            self._finished.set()
+
+    def _compile(self, size: int) -> None:
+        raise NotImplementedError
+
+
+class CompiledDecode(BucketGraphs):
+    """Runs decode steps through compiled graphs, each bucket once its graph is ready (`is_ready`);
+    the engine runs a step eager where its bucket is not, and always where this is None."""
+
+    def __init__(
+        self,
+        model: DecodeModel,
+        cache: StateCache,
+        max_batch: int,
+        on_progress: Callable[[int, int], None] | None = None,
+        streams: bool = False,
+        dspark_block: int = 0,
+    ):
+        """`streams`: the graphs also give the residual streams (DecodeOutput.streams) the MTP drafter
+        reads, and each bucket has a graph of the drafter's rows too (`draft`). `dspark_block`: each
+        bucket also has a graph of DSpark's draft blocks of this many rows (`dspark`)."""
+        self.model, self.cache, self.streams, self.dspark_block = model, cache, streams, dspark_block
+        super().__init__(batch_buckets(max_batch))
+        self.device = model.lm_head.weight.device
+        self.min_width = min_width(cache)
+        kinds = {"decode": lambda size: _decode_function(size, streams)}
+        if streams:
+            kinds["draft"] = lambda size: _named(draft_rows, f"batch_{size}")
+        if dspark_block:
+            kinds["dspark"] = lambda size: _named(draft_blocks, f"batch_{size}")
+        backend = _compile_only(BACKEND)
+        self._graphs = {
+            (kind, size): torch.compile(function(size), backend=backend, dynamic=False, fullgraph=True)
+            for kind, function in kinds.items()
+            for size in self.buckets
+        }
+        # per graph compiled: the code to call it without Dynamo, or None (see _run)
+        self._direct: dict[tuple[str, int], Callable[..., tuple[torch.Tensor, ...]] | None] = {}
+        self.on_progress = on_progress  # (buckets ready, buckets planned), after each bucket
+        self.steps = 0  # decode steps run through a graph
+
+    @classmethod
+    def create(
+        cls,
+        model: DecodeModel,
+        cache: StateCache,
+        max_batch: int,
+        on_progress: Callable[[int, int], None] | None = None,
+        streams: bool = False,
+        dspark_block: int = 0,
+    ) -> CompiledDecode | None:
+        """A compiled decode step whose graphs compile in the background from now on; None (and one
+        log line) where compiling is unavailable."""
+        reason = compiler_available()
+        if reason is not None:
+            log.warning("decode runs eager: torch.compile is unavailable here (%s)", reason)
+            return None
+        compiled = cls(model, cache, max_batch, on_progress, streams, dspark_block)
+        compiled.start()
+        return compiled
 
     def is_ready(self, batch: int) -> bool:
         """Whether a step of `batch` sequences can run through its bucket's graph now."""
@@ -480,25 +520,6 @@ class CompiledDecode:
         if graph[0] == "decode":
             torch._dynamo.maybe_mark_dynamic(inputs[3], 1)  # the block-table width
         return self._graphs[graph](self.model, self.cache, *inputs)
-
-    @torch.inference_mode()
-    def _compile_all(self) -> None:
-        """Compile every bucket's graphs, smallest first, while the engine steps."""
-        start = time.perf_counter()
-        try:
-            with _switch_interval.shortened():
-                for size in self.buckets:
-                    if self._stopping.is_set():
-                        return
-                    self._compile(size)
-            self.warm_up_seconds = time.perf_counter() - start
-            log.info("%d decode graphs ready in %.1f s", len(self.buckets), self.warm_up_seconds)
-        except Exception as error:  # a backend that cannot compile: its buckets stay eager
-            self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            if threading.main_thread().is_alive():  # else the process is exiting, which stopped the compiler
-                log.warning("decode runs eager: torch.compile is unavailable here (%s)", self.failure)
-        finally:
-            self._finished.set()
 
     def _compile(self, size: int) -> None:
         """Compile the bucket's graphs on padding rows' inputs, running none of them (_compile_only)."""

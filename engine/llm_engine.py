@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from common.images import IMAGE_ID_BASE
 from engine.checkpoint import load_model, weights_id
 from engine.compiled_decode import CompiledDecode
+from engine.compiled_prefill import CompiledPrefill
 from engine.config import ModelConfig
 from engine.config_v41 import V41Config
 from engine.drafter import DSparkDrafter, MtpDrafter
@@ -62,6 +64,7 @@ class LLMEngine:
         weights: str = "",
         grammars: GrammarCompiler | None = None,
         compile_decode: bool = False,
+        compile_prefill: bool = False,
         on_compile_progress: Callable[[int, int], None] | None = None,
         speculative: str = "off",
         speculative_tokens: int = 3,
@@ -80,6 +83,8 @@ class LLMEngine:
         or loaded from the disk cache on a background thread from here on: steps run eager until
         their batch's graph is ready (`wait_compiled` blocks until all are), and always where
         compiling is unavailable. `on_compile_progress(ready, planned)` hears of each graph ready.
+        `compile_prefill`: run every other step (DeepSeek-V4) as compiled pieces around its eager
+        attention cores (engine/compiled_prefill.py), compiled likewise, after the decode graphs.
         `speculative`: draft `speculative_tokens` tokens a step and verify them in the next
         (engine/speculation.py): "mtp" with V4's multi-token-prediction module, "dspark" with
         V4.1's draft model, "auto" with the checkpoint's drafter where it has one and while what it
@@ -128,6 +133,7 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             kernel_backend=kernel_backend,
             compile_decode=compile_decode,
+            compile_prefill=compile_prefill,
             on_compile_progress=on_compile_progress,
             with_streams=method == "mtp",
             dspark_block=draft_rows if method == "dspark" else 0,
@@ -147,9 +153,16 @@ class LLMEngine:
         self.weights = weights
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Block until every decode graph is ready: True then, False on `timeout` or where decode does
-        not compile (not asked for, or unavailable). What measures steady-state speed calls this first."""
-        return self.compiled_decode is not None and self.compiled_decode.wait(timeout)
+        """Block until every decode graph and prefill piece this engine compiles is ready: True then,
+        False on `timeout` or where nothing compiles (not asked for, or unavailable). What measures
+        steady-state speed calls this first."""
+        compiled = [graphs for graphs in (self.compiled_decode, self.compiled_prefill) if graphs is not None]
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        return bool(compiled) and all(graphs.wait(left()) for graphs in compiled)
 
     def compile_progress(self) -> tuple[int, int]:
         """(decode graphs ready, decode graphs planned): (0, 0) where decode does not compile."""
@@ -157,9 +170,10 @@ class LLMEngine:
         return (compiled.num_ready, len(compiled.buckets)) if compiled is not None else (0, 0)
 
     def close(self) -> None:
-        """Compile no further decode graph (the one compiling now finishes first)."""
-        if self.compiled_decode is not None:
-            self.compiled_decode.stop()
+        """Compile no further graph (the one compiling now finishes first)."""
+        for compiled in (self.compiled_decode, self.compiled_prefill):
+            if compiled is not None:
+                compiled.stop()
 
     @classmethod
     def from_pretrained(
@@ -190,6 +204,10 @@ class LLMEngine:
     @property
     def compiled_decode(self) -> CompiledDecode | None:
         return self.runner.compiled_decode
+
+    @property
+    def compiled_prefill(self) -> CompiledPrefill | None:
+        return self.runner.compiled_prefill
 
     @property
     def cache(self) -> StateCache:

@@ -1,7 +1,7 @@
 """ModelRunner: runs the model on the engine's state and samples the next tokens.
 
 Prepares a step's inputs from the sequences the scheduler picked, runs the model over the
-StateCache (or, for a decode step, the compiled decode graphs it holds), and samples from
+StateCache (or the compiled decode graphs and prefill pieces it holds), and samples from
 the logits; it also computes every position's logits of a prompt outside the scheduler
 (`score`, `prompt_logprobs`). It keeps no requests and allocates no state: which sequences
 run is the engine's to say, and their slots and blocks come from the KV manager.
@@ -18,6 +18,7 @@ import torch
 from common.images import IMAGE_ID_BASE
 from engine.backends import keep_freed_memory_in_process, select_backend
 from engine.compiled_decode import CompiledDecode, DecodeOutput
+from engine.compiled_prefill import CompiledPrefill
 from engine.model import DeepseekV4ForCausalLM, SeqSlice, StepInput, ngram_context
 from engine.sampler import Grammars, Sampler
 from engine.sequence import Sequence, TokenLogprobs
@@ -36,13 +37,16 @@ class ModelRunner:
         max_num_batched_tokens: int,
         kernel_backend: str | None,
         compile_decode: bool,
+        compile_prefill: bool = False,
         on_compile_progress: Callable[[int, int], None] | None = None,
         with_streams: bool = False,
         dspark_block: int = 0,
     ):
         """`compile_decode`: run decode steps as compiled graphs (engine/compiled_decode.py), compiled
         or loaded from the disk cache in the background from here on; a step whose batch's graph is
-        not ready yet runs eager, as every step does where compiling is unavailable."""
+        not ready yet runs eager, as every step does where compiling is unavailable. `compile_prefill`:
+        the other steps run through compiled pieces around eager attention (engine/compiled_prefill.py),
+        likewise compiled in the background, after the decode graphs."""
         self.model = model
         self.cache = cache
         self.device = model.lm_head.weight.device
@@ -60,6 +64,11 @@ class ModelRunner:
         self.compiled_decode = (
             CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress, with_streams, dspark_block)
             if compile_decode
+            else None
+        )
+        self.compiled_prefill = (
+            CompiledPrefill.create(model, cache, max_num_batched_tokens)
+            if compile_prefill and getattr(model, "compiles_prefill", False)
             else None
         )
 
@@ -84,7 +93,7 @@ class ModelRunner:
             seq.tokens_between(seq.num_computed, seq.num_computed + n) for seq, n in zip(seqs, num_tokens, strict=True)
         ]
         ends = [end - 1 for end in itertools.accumulate(num_tokens)]  # each sequence's last token of the step
-        return self.model(self._eager_step(seqs, tokens), self.cache)[ends].clone(), None
+        return self._rows(self._eager_step(seqs, tokens))[0][ends].clone(), None
 
     def forward_rows(
         self, seqs: list[Sequence], num_tokens: list[int], drafts: list[list[int]]
@@ -148,6 +157,12 @@ class ModelRunner:
         return hidden, streams, None
 
     def _rows(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's final hidden states and, `with_streams`, its residual streams (else None):
+        through the compiled prefill pieces where they are ready for the step, else eager."""
+        compiled = self.compiled_prefill
+        if compiled is not None and step.image_rows is None and compiled.is_ready(len(step.input_ids)):
+            hidden, streams = compiled(step)
+            return hidden, streams if self.with_streams else None
         if self.with_streams:
             return self.model.forward_with_streams(step, self.cache)
         return self.model(step, self.cache), None

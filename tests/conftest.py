@@ -28,9 +28,11 @@ from tests.support.parallel import ids_run_once
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
-# Every service the tests start decodes eager: compiling takes minutes a batch bucket on a fresh
-# machine. tests/system/test_compiled_decode.py compiles once and checks the compiled step's tokens.
+# Every service the tests start decodes and prefills eager: compiling takes minutes a bucket on a
+# fresh machine. tests/system/test_compiled_decode.py and test_compiled_prefill.py compile once and
+# check the compiled steps' tokens.
 os.environ["DEEPMESH_COMPILE_DECODE"] = "0"
+os.environ["DEEPMESH_COMPILE_PREFILL"] = "0"
 
 THIS_RUN = mark_this_run()
 STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"

@@ -14,6 +14,7 @@ sequences for decode and runs per sequence chunk for prefill.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,17 @@ NEG_INF = float("-inf")
 
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope type -> (cos, sin) at the step's positions
+
+
+class Projected(NamedTuple):
+    """An attention layer's inputs to its core, computed token-wise (Attention.project)."""
+
+    x: torch.Tensor  # [T, hidden]: the layer's normed input (the indexer weighs its heads by it)
+    q: torch.Tensor  # [T, H, d]
+    kv: torch.Tensor  # [T, d]
+    compressed: tuple[torch.Tensor, torch.Tensor] | None  # the compressor's kv and gate inputs [T, width]
+    indexed: tuple[torch.Tensor, torch.Tensor] | None  # the indexer's (CSA layers)
+    index_queries: torch.Tensor | None  # [T, index heads, index dim] (CSA layers)
 
 
 class RMSNorm(nn.Module):
@@ -380,6 +392,11 @@ class Attention(nn.Module):
         self.input_projections, self.query_projections = MergedProjections(inputs), MergedProjections(queries)
 
     def forward(self, x: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache) -> torch.Tensor:
+        return self.output(self.attend(self.project(x, step.positions, rope), step, cache), rope)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> Projected:
+        """The token-wise part before the attention core: every token's query, key and compressor
+        inputs, computed for all sequences at once."""
         n_tokens = x.shape[0]
         cos, sin = rope[self.rope_type]
         q_a, kv, *compressor_inputs = self.input_projections(x)
@@ -388,38 +405,44 @@ class Attention(nn.Module):
         q = q.reshape(n_tokens, self.num_heads, self.head_dim)
         q = apply_rope_(unweighted_rms_norm(q, self.eps), cos.unsqueeze(1), sin.unsqueeze(1))
         kv = apply_rope_(self.kv_norm(kv), cos, sin)
-
-        compressor = cache.compressors.get(self.state_index)
-        indexer = cache.indexers.get(self.state_index)
-        # token-wise projections for every sequence at once; the per-sequence state updates follow
         compressed = indexed = index_queries = None
         if self.compressor is not None:
-            compressed = self.compressor.with_position_bias(*compressor_inputs[:2], step.positions)
-            if indexer is not None:
-                indexed = self.compressor.indexer.with_position_bias(*compressor_inputs[2:], step.positions)
+            compressed = self.compressor.with_position_bias(*compressor_inputs[:2], positions)
+            if self.layer_type == CSA:
+                indexed = self.compressor.indexer.with_position_bias(*compressor_inputs[2:], positions)
                 index_queries = self.compressor.indexer.queries(index_q[0], *rope["compress"])
+        return Projected(x, q, kv, compressed, indexed, index_queries)
+
+    def attend(self, projected: Projected, step: StepInput, cache: StateCache) -> torch.Tensor:
+        """The attention core [T, H, d]: writes the step's keys and compressed entries into the state
+        and attends over it, vectorised across sequences for decode, per sequence chunk for prefill."""
+        x, q, kv, compressed, indexed, index_queries = projected
+        compressor = cache.compressors.get(self.state_index)
+        indexer = cache.indexers.get(self.state_index)
         if step.is_decode:
             if compressed is not None:
                 self.compressor.update_decode(*compressed, step, compressor, cache.scratch_block)
             if indexed is not None:
                 self.compressor.indexer.update_decode(*indexed, step, indexer, cache.scratch_block)
-            out = self._decode(q, kv, x, index_queries, step, cache)
-        else:
-            outs, begin = [], 0
-            for s in step.slices:
-                chunk = slice(begin, end := begin + s.length)
-                if compressed is not None:
-                    self.compressor.update_prefill(compressed[0][chunk], compressed[1][chunk], s, compressor)
-                if indexed is not None:
-                    self.compressor.indexer.update_prefill(indexed[0][chunk], indexed[1][chunk], s, indexer)
-                chunk_queries = index_queries[chunk] if index_queries is not None else None
-                outs.append(self._prefill(q[chunk], kv[chunk], x[chunk], chunk_queries, s, cache))
-                begin = end
-            out = torch.cat(outs)
+            return self._decode(q, kv, x, index_queries, step, cache)
+        outs, begin = [], 0
+        for s in step.slices:
+            chunk = slice(begin, end := begin + s.length)
+            if compressed is not None:
+                self.compressor.update_prefill(compressed[0][chunk], compressed[1][chunk], s, compressor)
+            if indexed is not None:
+                self.compressor.indexer.update_prefill(indexed[0][chunk], indexed[1][chunk], s, indexer)
+            chunk_queries = index_queries[chunk] if index_queries is not None else None
+            outs.append(self._prefill(q[chunk], kv[chunk], x[chunk], chunk_queries, s, cache))
+            begin = end
+        return torch.cat(outs)
 
+    def output(self, out: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """The token-wise part after the attention core: its output [T, H, d] projected back to [T, hidden]."""
+        cos, sin = rope[self.rope_type]
         # K = V, so the values carry RoPE too: rotate the output back by the query position.
         out = apply_rope_(out, cos.unsqueeze(1), -sin.unsqueeze(1))
-        grouped = self.o_a_proj(out.reshape(n_tokens, self.config.o_groups, -1))
+        grouped = self.o_a_proj(out.reshape(out.shape[0], self.config.o_groups, -1))
         return self.o_b_proj(grouped)
 
     def _prefill(
@@ -659,11 +682,34 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(config)
 
     def forward(self, streams: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache) -> torch.Tensor:
+        post, comb, projected = self.before_attention(streams, step.positions, rope)
+        out = self.self_attn.attend(projected, step, cache)
+        return self.after_attention(streams, post, comb, out, rope, step.input_ids)
+
+    # The layer apart from its attention core: token-wise, so the same for any mix of sequences in a
+    # step, and what a compiled prefill step compiles (engine/compiled_prefill.py).
+
+    def before_attention(
+        self, streams: torch.Tensor, positions: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, Projected]:
+        """The attention block's hyper-connection weights (post, comb) and its projected inputs."""
         post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(collapsed), step, rope, cache)
-        streams = expand_and_mix(post, out, comb, streams)
+        return post, comb, self.self_attn.project(self.input_layernorm(collapsed), positions, rope)
+
+    def after_attention(
+        self,
+        streams: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        out: torch.Tensor,
+        rope: Rope,
+        input_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The new residual streams, from the attention core's output: the attention block's
+        output projection and mix, then the MoE block."""
+        streams = expand_and_mix(post, self.self_attn.output(out, rope), comb, streams)
         post, comb, collapsed = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(collapsed), step.input_ids)
+        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
         return expand_and_mix(post, out, comb, streams)
 
 
@@ -759,6 +805,7 @@ FP32_PARAMETER_SUFFIXES = (
 class DeepseekV4ForCausalLM(nn.Module):
     fp32_parameter_suffixes = FP32_PARAMETER_SUFFIXES
     compiles_decode = True  # engine/compiled_decode.py builds its decode step
+    compiles_prefill = True  # engine/compiled_prefill.py compiles all of it but the attention core
 
     def __init__(self, config: ModelConfig, mtp_modules: int = 0):
         super().__init__()

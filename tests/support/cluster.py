@@ -45,6 +45,7 @@ def served_distributed(root: Path, model: Path, traces: Path | None = None) -> I
         cluster.env["DEEPMESH_TRACE_FILE"] = str(traces)
     cluster.env["DEEPMESH_LOG_LEVEL"] = "WARNING"
     cluster.env["DEEPMESH_COMPILE_DECODE"] = "false"
+    cluster.env["DEEPMESH_COMPILE_PREFILL"] = "false"
     try:
         cluster.start(("cache", "gateway", "tokenizer", "prefill", "decode"))
         yield cluster.url

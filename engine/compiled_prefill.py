@@ -1,0 +1,257 @@
+"""Prefill steps with everything but the attention core compiled, one set of graphs per token count.
+
+A prefill step is any mix of sequence chunks: any lengths, starting anywhere. Only the attention
+core depends on that mix (which keys a chunk sees, which compressor windows it closes, what it
+writes into the state); everything else in a layer is token-wise: the hyper-connections, the
+norms, the projections, RoPE, the MoE block. So, as vLLM compiles a model "piecewise" around its
+attention, the step runs as compiled pieces between eager attention cores:
+
+    embed -> [before_attention -> attention core (eager) -> after_attention] per layer -> head
+
+Each piece is one graph per token-count bucket (powers of two, `token_buckets`). Dynamo keys a
+graph by what the traced code reads, not by which module it ran on, so the layers of one kind
+(the same attention type and MoE kind) share their graphs: a bucket of the small preset is seven
+graphs for six layers. A step's tokens are padded to a bucket (`row_groups`); a step longer than
+the largest bucket runs as several, whole buckets first. The padding rows are token 0 at position
+0, and since every piece is token-wise, they change no real row. The attention core sees only the
+real rows and writes only their sequences' state, so the pieces write no state at all.
+
+The graphs compile on a thread of their own, each bucket once no decode graph of the process is
+compiling (engine/compiled_decode.py: the same backend, the same rule that the compiling thread
+runs no graph): a busy replica runs decode steps most. Until every bucket a step needs is ready,
+the step runs eager, and both paths compute the same rows (tests/system/test_compiled_prefill.py).
+Inductor's disk cache serves them as it serves the decode graphs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_map, tree_map_only
+
+from engine import compiled_decode
+from engine.compiled_decode import (
+    BucketGraphs,
+    CompiledDecode,
+    _compile_only,
+    _named,
+    _NotRun,
+    _only_compiling,
+    compiled_code,
+)
+from engine.model import DeepseekV4ForCausalLM, StepInput
+from engine.model.v4 import DecoderLayer
+from engine.state_cache import StateCache
+
+log = logging.getLogger(__name__)
+
+SMALLEST_BUCKET = 16
+LARGEST_BUCKET = 512  # past this, a step's matrix products outweigh what compiling saves around them
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from SMALLEST_BUCKET up to the first that holds `max_tokens` (at most LARGEST_BUCKET)."""
+    buckets = [SMALLEST_BUCKET]
+    while buckets[-1] < min(max_tokens, LARGEST_BUCKET):
+        buckets.append(2 * buckets[-1])
+    return buckets
+
+
+def row_groups(tokens: int, buckets: list[int]) -> list[int]:
+    """The buckets a step of `tokens` rows runs as, in row order: the one bucket that holds them
+    where one does; else the largest bucket as often as it fits, then each smaller one the rest
+    needs, the last padded (fewer padding rows than the smallest bucket)."""
+    if tokens <= buckets[-1]:
+        return [next(size for size in buckets if size >= tokens)]
+    groups, rest = [], tokens
+    for size in reversed(buckets):
+        while rest >= size:
+            groups.append(size)
+            rest -= size
+    return groups + [buckets[0]] * (rest > 0)
+
+
+# The pieces. Module-level functions of (module, row tensors...), so that Dynamo keeps one graph
+# per piece, bucket and kind of layer, whichever layer runs it.
+
+
+def _embed(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+    embeds = model.model.embed_tokens(input_ids)
+    streams = embeds.unsqueeze(1).expand(-1, model.config.hc_mult, -1).contiguous()
+    return streams, model.model.rope(positions, embeds.dtype)
+
+
+def _before_attention(layer: DecoderLayer, streams: torch.Tensor, positions: torch.Tensor, rope: dict) -> tuple:
+    return layer.before_attention(streams, positions, rope)
+
+
+def _after_attention(
+    layer: DecoderLayer,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out: torch.Tensor,
+    rope: dict,
+    input_ids: torch.Tensor,
+) -> torch.Tensor:
+    return layer.after_attention(streams, post, comb, out, rope, input_ids)
+
+
+def _head(model: DeepseekV4ForCausalLM, streams: torch.Tensor) -> torch.Tensor:
+    return model.model.norm(model.model.hc_head(streams))
+
+
+PIECES: dict[str, Callable] = {
+    "embed": _embed,
+    "before": _before_attention,
+    "after": _after_attention,
+    "head": _head,
+}
+
+
+def layer_kind(layer: DecoderLayer) -> str:
+    """What a layer's pieces specialise on: its attention type and compression rate, and its MoE's
+    routing. The layers of a kind run the same graphs."""
+    attention = layer.self_attn
+    rate = attention.compressor.rate if attention.compressor is not None else 0
+    return f"{attention.layer_type}_{rate}_{'hash' if layer.mlp.gate.hashed else 'routed'}"
+
+
+def _decode_graphs_compiling() -> bool:
+    return any(isinstance(other, CompiledDecode) and other.compiling for other in list(compiled_decode._compiling))
+
+
+def _padded(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """A copy of `rows` with zero rows appended up to `length`: made in inference mode, as the graphs'
+    inputs were (a tensor made outside it would fail their guards)."""
+    padded = rows.new_zeros((length, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    return padded
+
+
+class CompiledPrefill(BucketGraphs):
+    """Runs prefill steps (and decode steps no decode graph takes) through compiled pieces, once
+    every bucket the step needs is ready (`is_ready`); the engine runs a step eager otherwise."""
+
+    what = "prefill"
+
+    def __init__(self, model: DeepseekV4ForCausalLM, cache: StateCache, max_tokens: int):
+        """`max_tokens`: the most tokens a step computes (the engine's max_num_batched_tokens)."""
+        super().__init__(token_buckets(max_tokens))
+        self.model, self.cache = model, cache
+        self._backend = _compile_only(compiled_decode.BACKEND)
+        self._kinds = [layer_kind(layer) for layer in model.model.layers]
+        # per piece, bucket and kind of layer ("model" for embed and head): its torch.compile'd
+        # function, and once compiled, the code to call its one graph without Dynamo (or None)
+        self._graphs: dict[tuple[str, int, str], Callable] = {}
+        self._direct: dict[tuple[str, int, str], Callable | None] = {}
+        self.steps = 0  # steps run through the pieces
+        self.eager_pieces = 0  # piece calls that ran eager because no graph's guards passed
+
+    @classmethod
+    def create(cls, model: DeepseekV4ForCausalLM, cache: StateCache, max_tokens: int) -> CompiledPrefill | None:
+        """Compiled prefill pieces compiling in the background from now on; None (and one log line)
+        where compiling is unavailable."""
+        reason = compiled_decode.compiler_available()
+        if reason is not None:
+            log.warning("prefill runs eager: torch.compile is unavailable here (%s)", reason)
+            return None
+        compiled = cls(model, cache, max_tokens)
+        compiled.start()
+        return compiled
+
+    def is_ready(self, tokens: int) -> bool:
+        """Whether a step of `tokens` rows can run through compiled pieces now."""
+        return all(size in self._ready for size in row_groups(tokens, self.buckets))
+
+    @torch.inference_mode()
+    def __call__(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's final hidden states [T, hidden] and residual streams [T, hc_mult, hidden], as
+        the model's forward_with_streams computes them."""
+        real = len(step.input_ids)
+        groups = row_groups(real, self.buckets)
+        length = sum(groups)
+        input_ids, positions = _padded(step.input_ids, length), _padded(step.positions, length)
+        streams, rope = self._rows(("embed", "model"), groups, self.model, input_ids, positions)
+        for layer, kind in zip(self.model.model.layers, self._kinds, strict=True):
+            post, comb, projected = self._rows(("before", kind), groups, layer, streams, positions, rope)
+            real_rows = tree_map_only(torch.Tensor, lambda rows: rows[:real], projected)
+            out = layer.self_attn.attend(real_rows, step, self.cache)
+            out = _padded(out, length)
+            streams = self._rows(("after", kind), groups, layer, streams, post, comb, out, rope, input_ids)
+        hidden = self._rows(("head", "model"), groups, self.model, streams)
+        self.steps += 1
+        return hidden[:real], streams[:real]
+
+    def _rows(self, piece: tuple[str, str], groups: list[int], module: torch.nn.Module, *rows: object) -> object:
+        """The piece (its name and kind of layer) over every row group of the step: each group's
+        rows through its bucket's graph, the groups' outputs joined."""
+        if len(groups) == 1:
+            return self._call((piece[0], groups[0], piece[1]), module, rows)
+        outputs, begin = [], 0
+        for size in groups:
+            group = tree_map_only(torch.Tensor, lambda t, b=begin, s=size: t[b : b + s], rows)
+            outputs.append(self._call((piece[0], size, piece[1]), module, group))
+            begin += size
+        return tree_map(lambda *parts: None if parts[0] is None else torch.cat(parts), *outputs)
+
+    def _call(self, graph: tuple[str, int, str], module: torch.nn.Module, rows: tuple) -> object:
+        # As the decode graphs (CompiledDecode._run): a piece of one bucket and kind of layer is one
+        # graph, whose inputs always pass its guards, so the code Dynamo made for it runs directly.
+        direct = self._direct[graph]
+        if direct is not None:
+            return direct(module, *rows)
+        piece = graph[0]
+        try:  # a piece no compiled graph's guards pass would compile on this thread, mid-step: eager instead
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._graphs[graph](module, *rows)
+        except RuntimeError as error:  # raised before the graph runs; the pieces write no state
+            if "recompil" not in str(error).lower():
+                raise
+            self.eager_pieces += 1
+            if self.eager_pieces == 1:
+                log.warning("prefill piece %s ran eager (no compiled graph fits): %s", graph, error)
+            return PIECES[piece](module, *rows)
+
+    def _may_compile(self) -> bool:
+        return not _decode_graphs_compiling()
+
+    def _compile(self, size: int) -> None:
+        """Compile the bucket's pieces for every layer (a layer of a kind already compiled only
+        passes its graph's guards), each piece's inputs computed eager: the pieces write no state."""
+        start = time.perf_counter()
+        model = self.model
+        input_ids = torch.zeros(size, dtype=torch.long, device=model.lm_head.weight.device)
+        positions = torch.zeros_like(input_ids)
+        streams, rope = self._compiled_then_eager(("embed", size, "model"), model, input_ids, positions)
+        for layer, kind in zip(model.model.layers, self._kinds, strict=True):
+            post, comb, _ = self._compiled_then_eager(("before", size, kind), layer, streams, positions, rope)
+            attention = layer.self_attn
+            out = streams.new_zeros(size, attention.num_heads, attention.head_dim)
+            streams = self._compiled_then_eager(("after", size, kind), layer, streams, post, comb, out, rope, input_ids)
+        self._compiled_then_eager(("head", size, "model"), model, streams)
+        for graph, compiled in self._graphs.items():
+            if graph[1] == size:  # every layer of the kind passed the graph's guards: one graph
+                self._direct[graph] = compiled_code(compiled)
+        self._ready.add(size)
+        seconds = time.perf_counter() - start
+        ready, planned = self.num_ready, len(self.buckets)
+        log.info("prefill graphs for %d tokens ready in %.1f s (%d of %d)", size, seconds, ready, planned)
+
+    def _compiled_then_eager(self, graph: tuple[str, int, str], module: torch.nn.Module, *rows: object) -> object:
+        """Compile the piece's graph for these inputs (or pass the one compiled for an earlier layer
+        of the kind's guards), then compute its output eager: the next piece's example inputs."""
+        piece, size, kind = graph
+        if graph not in self._graphs:
+            function = _named(PIECES[piece], f"{kind}_tokens_{size}")
+            self._graphs[graph] = torch.compile(function, backend=self._backend, dynamic=False, fullgraph=True)
+        _only_compiling.active = True
+        try:
+            self._graphs[graph](module, *rows)
+        except _NotRun:
+            pass
+        finally:
+            _only_compiling.active = False
+        return PIECES[piece](module, *rows)

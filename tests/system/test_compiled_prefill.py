@@ -1,0 +1,113 @@
+"""The compiled prefill step (engine/compiled_prefill.py) against the eager engine: the same greedy
+tokens and their logprobs for prompts that fit one bucket, that pad, that span several
+buckets a step, that are chunked across steps and batched beside other sequences' decode rows, and
+with V4's drafter reading the residual streams the pieces give.
+
+The pieces are traced, not code-generated, as the decode graphs of tests/system/test_compiled_decode.py
+(tests/support/compiled_models.py); benchmarks/compiled_prefill.py compiles them with Inductor and
+compares their rows with eager. Buckets here are 16 and 32 tokens (the largest set low for the
+module), so that a 64-token step runs as two buckets and a 50-token one as 32 and 16, padded."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLMEngine, SamplingParams, compiled_prefill
+from engine.compiled_prefill import row_groups, token_buckets
+from tests.support.compiled_models import DRAFTING_MODELS, TRACED, compiling_through, write_three_layer_model
+from tests.support.models import all_state_free, random_prompts
+
+LENGTHS = (3, 16, 23, 50, 130)  # under a bucket, one bucket, padded, two buckets a step, chunked
+BUDGET = 64  # the engines' max_num_batched_tokens: a 130-token prompt is three steps
+
+pytestmark = pytest.mark.in_process
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny V4 preset in three layers: HCA, CSA and sliding-window attention; hash and routed MoE."""
+    return LLMEngine.from_pretrained(write_three_layer_model(tmp_path_factory.mktemp("v4") / "model")).model
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(LENGTHS, seed=11)
+
+
+def compiled_engine(model, monkeypatch: pytest.MonkeyPatch, **options) -> LLMEngine:
+    monkeypatch.setattr(compiled_prefill, "LARGEST_BUCKET", 32)
+    with compiling_through(TRACED):
+        engine = LLMEngine(model, max_num_batched_tokens=BUDGET, compile_prefill=True, **options)
+    assert engine.compiled_prefill is not None, "torch.compile is unavailable: no g++? (scripts/stack toolchain)"
+    assert engine.compiled_prefill.buckets == [16, 32]
+    assert engine.wait_compiled(), engine.compiled_prefill.failure
+    return engine
+
+
+def test_token_buckets_and_the_groups_a_step_runs_as():
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(40) == [16, 32, 64]
+    assert token_buckets(8) == [16]
+    buckets = token_buckets(1024)
+    assert row_groups(1, buckets) == [16]
+    assert row_groups(300, buckets) == [512]  # one bucket where one holds the step
+    assert row_groups(1100, buckets) == [512, 512, 64, 16]  # 12 padding rows
+    assert row_groups(1024, buckets) == [512, 512]
+    for tokens in range(1, 3000, 7):
+        groups = row_groups(tokens, buckets)
+        assert sum(groups) >= tokens and all(size in buckets for size in groups)
+        assert tokens <= 512 or sum(groups) - tokens < 16
+
+
+def test_prompts_prefilled_through_the_pieces_give_the_eager_tokens(model, prompts, monkeypatch):
+    """One request at a time and all at once (chunks beside decode rows in one step), through the
+    pieces and eager: the same greedy tokens, their logprobs within rounding."""
+    eager = LLMEngine(model, max_num_batched_tokens=BUDGET)
+    expected = [eager.generate([prompt], greedy(12))[0] for prompt in prompts]
+    engine = compiled_engine(model, monkeypatch)
+    alone = [engine.generate([prompt], greedy(12))[0] for prompt in prompts]
+    steps_alone = engine.compiled_prefill.steps
+    together = engine.generate(prompts, greedy(12))
+    for outputs in (alone, together):
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        for output, reference in zip(outputs, expected, strict=True):
+            assert output.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+    # every step ran through the pieces (decode steps too: no decode graph here), none fell back
+    assert steps_alone >= sum(-(-n // BUDGET) + 11 for n in LENGTHS)
+    assert engine.compiled_prefill.eager_pieces == 0
+    assert all_state_free(engine)
+
+
+def test_the_drafter_reads_the_streams_the_pieces_give(tmp_path_factory, prompts, monkeypatch):
+    """V4's MTP module drafts from the residual streams of each step: through the pieces, it drafts
+    what it drafts from eager streams, draft for draft, and the tokens are the eager engine's."""
+    write, method = DRAFTING_MODELS["deepseek_v4"]
+    model = LLMEngine.from_pretrained(write(tmp_path_factory.mktemp(method) / "model")).model
+    options = dict(speculative=method, speculative_tokens=2)
+    eager = LLMEngine(model, max_num_batched_tokens=BUDGET, **options)
+    eager_drafts = _recording_drafts(eager)
+    expected = [eager.generate([prompt], greedy(16))[0].token_ids for prompt in prompts[2:4]]
+    engine = compiled_engine(model, monkeypatch, **options)
+    drafts = _recording_drafts(engine)
+    outputs = [engine.generate([prompt], greedy(16))[0].token_ids for prompt in prompts[2:4]]
+    assert outputs == expected
+    assert len(drafts) > 10 and drafts == eager_drafts
+    assert engine.compiled_prefill.steps > 0 and engine.compiled_prefill.eager_pieces == 0
+    assert all_state_free(engine)
+
+
+def _recording_drafts(engine: LLMEngine) -> list[list[int]]:
+    """Every sequence's drafts the engine's drafter proposes from now on."""
+    drafted: list[list[int]] = []
+    advance = engine.drafter.advance
+
+    def recorded(seqs: list, *args: object) -> None:
+        advance(seqs, *args)
+        drafted.extend(list(seq.drafts) for seq in seqs if seq.drafts)
+
+    engine.drafter.advance = recorded
+    return drafted
