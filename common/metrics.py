@@ -45,6 +45,12 @@ DECODE_GRAPHS = Gauge(
     "compiled; the others run eager while the rest compile in the background)",
     ["service", "state"],
 )
+PREFILL_GRAPHS = Gauge(
+    "deepmesh_prefill_graphs",
+    "Token buckets of the compiled prefill pieces (DeepSeek-V4): planned, and ready (a step whose "
+    "buckets are all ready runs compiled, the others eager while the rest compile in the background)",
+    ["service", "state"],
+)
 STATE_HANDOFFS = Counter(
     "deepmesh_state_handoffs", "Decode starts, by how the state arrived (loaded or recomputed)", ["outcome"]
 )

@@ -312,11 +312,15 @@ class BucketGraphs:
                     start = time.perf_counter()
                     self._compile(size)
                     self.warm_up_seconds += time.perf_counter() - start
-            log.info("%s graphs of %d buckets ready in %.1f s", self.what, len(self.buckets), self.warm_up_seconds)
+            logging.getLogger(type(self).__module__).info(
+                "%s graphs of %d buckets ready in %.1f s", self.what, len(self.buckets), self.warm_up_seconds
+            )
         except Exception as error:  # a backend that cannot compile: its buckets stay eager
             self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if threading.main_thread().is_alive():  # else the process is exiting, which stopped the compiler
-                log.warning("%s runs eager: torch.compile is unavailable here (%s)", self.what, self.failure)
+                logging.getLogger(type(self).__module__).warning(
+                    "%s runs eager: torch.compile is unavailable here (%s)", self.what, self.failure
+                )
         finally:
             self._finished.set()
 

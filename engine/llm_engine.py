@@ -164,9 +164,10 @@ class LLMEngine:
 
         return bool(compiled) and all(graphs.wait(left()) for graphs in compiled)
 
-    def compile_progress(self) -> tuple[int, int]:
-        """(decode graphs ready, decode graphs planned): (0, 0) where decode does not compile."""
-        compiled = self.compiled_decode
+    def compile_progress(self, step: str = "decode") -> tuple[int, int]:
+        """(buckets ready, buckets planned) of the compiled "decode" graphs or "prefill" pieces: (0, 0)
+        where those steps do not compile."""
+        compiled = self.compiled_decode if step == "decode" else self.compiled_prefill
         return (compiled.num_ready, len(compiled.buckets)) if compiled is not None else (0, 0)
 
     def close(self) -> None:

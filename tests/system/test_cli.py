@@ -120,9 +120,10 @@ def test_generate_reports_bad_input_clearly(tiny_preset, tmp_path):
 
 
 def test_serve_answers_while_its_decode_graphs_compile_and_cache_stats_reads_its_cache(tiny_preset, tmp_path):
-    """`deepmesh serve` as `make run` starts it on a fresh machine (decode compiled, nothing in the
-    compile cache): it answers before its decode graphs are compiled, shows their progress in
-    /metrics, and `deepmesh cache stats` reads its cache."""
+    """`deepmesh serve` as `make run` starts it on a fresh machine (decode and prefill compiled,
+    nothing in the compile cache): it answers before its decode graphs are compiled, shows their
+    progress and the prefill pieces' (waiting for them) in /metrics, and `deepmesh cache stats`
+    reads its cache."""
     import os
     import signal
 
@@ -147,13 +148,19 @@ def test_serve_answers_while_its_decode_graphs_compile_and_cache_stats_reads_its
         body = {"model": "deepmesh-tiny", "messages": [{"role": "user", "content": "hello " * 150}], "max_tokens": 4}
         answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
-        graphs = {
-            line.split('state="')[1].split('"')[0]: float(line.split()[-1])
-            for line in httpx.get(f"{url}/metrics").text.splitlines()
-            if line.startswith("deepmesh_decode_graphs{")
-        }
+        exported = httpx.get(f"{url}/metrics").text.splitlines()
+        graphs, pieces = (
+            {
+                line.split('state="')[1].split('"')[0]: float(line.split()[-1])
+                for line in exported
+                if line.startswith(f"deepmesh_{step}_graphs{{")
+            }
+            for step in ("decode", "prefill")
+        )
         # one graph per batch bucket up to 64 sequences, compiling from scratch: not all ready yet
         assert graphs["planned"] == 7 and graphs["ready"] < graphs["planned"]
+        # the prefill pieces' token buckets, 16 to 512, compile once the decode graphs are done
+        assert pieces == {"ready": 0, "planned": 6}
         shown = deepmesh("cache", "stats", "--url", url)
         assert shown.returncode == 0, shown.stderr
         assert "memory" in shown.stdout and "anchors" in shown.stdout and "blocks" in shown.stdout
