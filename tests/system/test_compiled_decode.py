@@ -70,9 +70,15 @@ def expected(tiny_model, prompts) -> list[list[int]]:
     return [engine.generate([p], greedy(max(MAX_TOKENS)))[0].token_ids for p in prompts]
 
 
+# family -> the engine that crossed the switch (test_requests_that_cross_the_switch_...), every graph ready
+_SWITCHED: dict[str, LLMEngine] = {}
+
+
 @pytest.fixture(scope="module")
-def compiled(tiny_model) -> LLMEngine:
-    return compiled_engine(tiny_model)
+def compiled(family, tiny_model) -> LLMEngine:
+    """An engine whose decode graphs (buckets 1, 2 and 4) are all ready: the one that crossed the
+    switch where that test ran first (its graphs are these, traced), else a new one."""
+    return _SWITCHED.pop(family, None) or compiled_engine(tiny_model)
 
 
 @pytest.fixture
@@ -130,6 +136,7 @@ def test_requests_that_cross_the_switch_to_compiled_keep_their_tokens(family, ti
     assert runs == [threading.current_thread()] * engine.compiled_decode.steps
     assert [tokens[f"r{i}"] for i in range(3)] == [out.token_ids for out in eager]
     assert all_state_free(engine)
+    _SWITCHED[family] = engine  # the module's compiled engine from here on: its graphs need no second tracing
 
 
 def _recording_runs(backend: str, runs: list[threading.Thread]) -> Callable[..., Callable[..., object]]:
