@@ -5,8 +5,9 @@ with V4's drafter reading the residual streams the pieces give.
 
 The pieces are traced, not code-generated, as the decode graphs of tests/system/test_compiled_decode.py
 (tests/support/compiled_models.py); benchmarks/compiled_prefill.py compiles them with Inductor and
-compares their rows with eager. Buckets here are 16 and 32 tokens (the largest set low for the
-module), so that a 64-token step runs as two buckets and a 50-token one as 32 and 16, padded."""
+compares their rows with eager. The one bucket here is 16 tokens (the largest set low for the
+module: each bucket traces every piece again), so that a 64-token step runs as four and a 23-token
+one as two, the second padded."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine.compiled_prefill import row_groups, token_buckets
 from tests.support.compiled_models import DRAFTING_MODELS, TRACED, compiling_through, write_three_layer_model
 from tests.support.models import all_state_free, random_prompts
 
-LENGTHS = (3, 16, 23, 50, 130)  # under a bucket, one bucket, padded, two buckets a step, chunked
+LENGTHS = (3, 16, 23, 50, 130)  # under a bucket, one, two (padded), four a step, chunked over steps
 BUDGET = 64  # the engines' max_num_batched_tokens: a 130-token prompt is three steps
 
 pytestmark = pytest.mark.in_process
@@ -39,11 +40,11 @@ def prompts() -> list[list[int]]:
 
 
 def compiled_engine(model, monkeypatch: pytest.MonkeyPatch, **options) -> LLMEngine:
-    monkeypatch.setattr(compiled_prefill, "LARGEST_BUCKET", 32)
+    monkeypatch.setattr(compiled_prefill, "LARGEST_BUCKET", 16)
     with compiling_through(TRACED):
         engine = LLMEngine(model, max_num_batched_tokens=BUDGET, compile_prefill=True, **options)
     assert engine.compiled_prefill is not None, "torch.compile is unavailable: no g++? (scripts/stack toolchain)"
-    assert engine.compiled_prefill.buckets == [16, 32]
+    assert engine.compiled_prefill.buckets == [16]
     assert engine.wait_compiled(), engine.compiled_prefill.failure
     return engine
 
