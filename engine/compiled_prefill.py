@@ -8,10 +8,11 @@ attention, the step runs as compiled pieces between eager attention cores:
 
     embed -> [before_attention -> attention core (eager) -> after_attention] per layer -> head
 
-Each piece is one graph per token-count bucket (powers of two, `token_buckets`). Dynamo keys a
-graph by what the traced code reads, not by which module it ran on, so the layers of one kind
-(the same attention type and MoE kind) share their graphs: a bucket of the small preset is seven
-graphs for six layers. A step's tokens are padded to a bucket (`row_groups`); a step longer than
+Each piece is one graph per token-count bucket (powers of two, `token_buckets`) and kind of layer
+(`layer_kind`): what the traced code reads of a layer is the same for every layer of a kind, so
+they share the graph (the small preset's six layers are four kinds: ten graphs a bucket with the
+embedding and the head), each under a code object of its own, which a step calls without
+Dynamo once compiled. A step's tokens are padded to a bucket (`row_groups`); a step longer than
 the largest bucket runs as several, whole buckets first. The padding rows are token 0 at position
 0, and since every piece is token-wise, they change no real row. The attention core sees only the
 real rows and writes only their sequences' state, so the pieces write no state at all.
