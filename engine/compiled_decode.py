@@ -30,7 +30,7 @@ import time
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import torch
 
@@ -179,6 +179,18 @@ def _compile_only(backend: str | Callable) -> Callable[[torch.fx.GraphModule, li
     return compile_and_guard
 
 
+def compile_without_running(call: Callable[[], object]) -> None:
+    """Make `call`, a call of a function compiled through `_compile_only`'s backend, compile its graph
+    (or pass the guards of one compiled before) on this thread, running no graph."""
+    _only_compiling.active = True
+    try:
+        call()
+    except _NotRun:
+        pass
+    finally:
+        _only_compiling.active = False
+
+
 def compiled_code(compiled: Callable) -> Callable[..., tuple[torch.Tensor, ...]] | None:
     """The function Dynamo made of a torch.compile'd function's one graph (loading its inputs, then
     calling the compiled graph), callable without Dynamo; None where this torch does not expose it
@@ -269,6 +281,20 @@ class BucketGraphs:
         self.failure: str | None = None  # why compiling gave up, if it did
         self.warm_up_seconds = 0.0  # compiling (or loading) the buckets
 
+    @classmethod
+    def create(cls, *args: object, **kwargs: object) -> Self | None:
+        """The graphs (`cls(*args, **kwargs)`), compiling in the background from now on; None (and one
+        log line) where compiling is unavailable."""
+        reason = compiler_available()
+        if reason is not None:
+            logging.getLogger(cls.__module__).warning(
+                "%s runs eager: torch.compile is unavailable here (%s)", cls.what, reason
+            )
+            return None
+        compiled = cls(*args, **kwargs)
+        compiled.start()
+        return compiled
+
     def start(self) -> None:
         """Compile (or load from the disk cache) every bucket's graphs on a thread of their own."""
         if self._thread is None:
@@ -302,6 +328,7 @@ class BucketGraphs:
     @torch.inference_mode()
     def _compile_all(self) -> None:
         """Compile every bucket's graphs, smallest first, while the engine steps."""
+        own_log = logging.getLogger(type(self).__module__)  # the subclass's module's
         try:
             with _switch_interval.shortened():
                 for size in self.buckets:
@@ -312,15 +339,11 @@ class BucketGraphs:
                     start = time.perf_counter()
                     self._compile(size)
                     self.warm_up_seconds += time.perf_counter() - start
-            logging.getLogger(type(self).__module__).info(
-                "%s graphs of %d buckets ready in %.1f s", self.what, len(self.buckets), self.warm_up_seconds
-            )
+            own_log.info("%s graphs of %d buckets ready in %.1f s", self.what, len(self.buckets), self.warm_up_seconds)
         except Exception as error:  # a backend that cannot compile: its buckets stay eager
             self.failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if threading.main_thread().is_alive():  # else the process is exiting, which stopped the compiler
-                logging.getLogger(type(self).__module__).warning(
-                    "%s runs eager: torch.compile is unavailable here (%s)", self.what, self.failure
-                )
+                own_log.warning("%s runs eager: torch.compile is unavailable here (%s)", self.what, self.failure)
         finally:
             self._finished.set()
 
@@ -363,26 +386,6 @@ class CompiledDecode(BucketGraphs):
         self._direct: dict[tuple[str, int], Callable[..., tuple[torch.Tensor, ...]] | None] = {}
         self.on_progress = on_progress  # (buckets ready, buckets planned), after each bucket
         self.steps = 0  # decode steps run through a graph
-
-    @classmethod
-    def create(
-        cls,
-        model: DecodeModel,
-        cache: StateCache,
-        max_batch: int,
-        on_progress: Callable[[int, int], None] | None = None,
-        streams: bool = False,
-        dspark_block: int = 0,
-    ) -> CompiledDecode | None:
-        """A compiled decode step whose graphs compile in the background from now on; None (and one
-        log line) where compiling is unavailable."""
-        reason = compiler_available()
-        if reason is not None:
-            log.warning("decode runs eager: torch.compile is unavailable here (%s)", reason)
-            return None
-        compiled = cls(model, cache, max_batch, on_progress, streams, dspark_block)
-        compiled.start()
-        return compiled
 
     def is_ready(self, batch: int) -> bool:
         """Whether a step of `batch` sequences can run through its bucket's graph now."""
@@ -534,13 +537,7 @@ class CompiledDecode(BucketGraphs):
         if self.dspark_block:
             graphs["dspark", size] = self._dspark_inputs(size, [], [], [], [])
         for graph, inputs in graphs.items():
-            _only_compiling.active = True
-            try:
-                self._call(graph, inputs)
-            except _NotRun:
-                pass
-            finally:
-                _only_compiling.active = False
+            compile_without_running(lambda graph=graph, inputs=inputs: self._call(graph, inputs))
             self._direct[graph] = compiled_code(self._graphs[graph])
         self._ready.add(size)
         planned = len(self.buckets)

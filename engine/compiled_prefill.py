@@ -38,8 +38,7 @@ from engine.compiled_decode import (
     CompiledDecode,
     _compile_only,
     _named,
-    _NotRun,
-    _only_compiling,
+    compile_without_running,
     compiled_code,
 )
 from engine.model import DeepseekV4ForCausalLM, StepInput
@@ -151,18 +150,6 @@ class CompiledPrefill(BucketGraphs):
         self.steps = 0  # steps run through the pieces
         self.eager_pieces = 0  # piece calls that ran eager because no graph's guards passed
 
-    @classmethod
-    def create(cls, model: DeepseekV4ForCausalLM, cache: StateCache, max_tokens: int) -> CompiledPrefill | None:
-        """Compiled prefill pieces compiling in the background from now on; None (and one log line)
-        where compiling is unavailable."""
-        reason = compiled_decode.compiler_available()
-        if reason is not None:
-            log.warning("prefill runs eager: torch.compile is unavailable here (%s)", reason)
-            return None
-        compiled = cls(model, cache, max_tokens)
-        compiled.start()
-        return compiled
-
     def is_ready(self, tokens: int) -> bool:
         """Whether a step of `tokens` rows can run through compiled pieces now."""
         return all(size in self._ready for size in row_groups(tokens, self.buckets))
@@ -248,11 +235,5 @@ class CompiledPrefill(BucketGraphs):
         if graph not in self._graphs:
             function = _named(PIECES[piece], f"{kind}_tokens_{size}")
             self._graphs[graph] = torch.compile(function, backend=self._backend, dynamic=False, fullgraph=True)
-        _only_compiling.active = True
-        try:
-            self._graphs[graph](module, *rows)
-        except _NotRun:
-            pass
-        finally:
-            _only_compiling.active = False
+        compile_without_running(lambda: self._graphs[graph](module, *rows))
         return PIECES[piece](module, *rows)
