@@ -293,9 +293,12 @@ def _speculation(args: argparse.Namespace, settings) -> dict:
     }
 
 
-def _compile_prefill(args: argparse.Namespace, settings) -> bool:
+def _compile_prefill(args: argparse.Namespace, settings, model: Path) -> bool:
     """Whether prefill steps run as compiled pieces (DeepSeek-V4); they compile after the decode graphs."""
     compile_prefill = settings.compile_prefill if args.compile is None else args.compile
+    if compile_prefill and _model_type(model) == "deepseek_v41":
+        print("prefill runs eager: DeepSeek-V4.1's prefill step is not compiled (its decode step is)", file=sys.stderr)
+        return False
     if compile_prefill:
         logging.getLogger("engine.compiled_prefill").setLevel(logging.INFO)
         print(
@@ -304,6 +307,14 @@ def _compile_prefill(args: argparse.Namespace, settings) -> bool:
             file=sys.stderr,
         )
     return compile_prefill
+
+
+def _model_type(model: Path) -> str | None:
+    """The checkpoint's model_type, where its config.json reads (else None: loading it says why)."""
+    try:
+        return json.loads((Path(model) / "config.json").read_text()).get("model_type", "deepseek_v4")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _compile_decode(args: argparse.Namespace, settings) -> bool:
@@ -356,7 +367,7 @@ def _serve(args: argparse.Namespace) -> int:
         maintenance_seconds=settings.cache_maintenance_seconds,
         resident_prefix_bytes=settings.resident_prefix_bytes,
         compile_decode=_compile_decode(args, settings),
-        compile_prefill=_compile_prefill(args, settings),
+        compile_prefill=_compile_prefill(args, settings, model),
         speculation=_speculation(args, settings),
         default_thinking=settings.default_thinking if args.default_thinking is None else args.default_thinking,
         image_policy=ImagePolicy.from_settings(settings),
@@ -485,7 +496,7 @@ def _service(args: argparse.Namespace) -> int:
         return 0
     replicas = _replica_table(bus, settings.topic_prefix)
     compile_decode = _compile_decode(args, settings) if args.command == "decode" else False
-    compile_prefill = _compile_prefill(args, settings) if args.command == "prefill" else False
+    compile_prefill = _compile_prefill(args, settings, model) if args.command == "prefill" else False
     speculation = _speculation(args, settings) if args.command == "decode" else {}
     compiling = {"compile_decode": compile_decode, "compile_prefill": compile_prefill}
     worker = _make_worker(args.command, bus, settings, model, replicas, compiling, speculation)

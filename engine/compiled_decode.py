@@ -14,7 +14,7 @@ behind the engine, not before it: `start` compiles the buckets on a thread of th
 smallest first, while the engine decodes eager; each bucket's steps switch to its graph once it
 is compiled (`is_ready`). Both paths compute the same tokens (tests/system/test_compiled_decode.py),
 so a request that crosses the switch reads as if it had run on either. The compiling thread only
-compiles: a graph first runs on the engine's thread (`_compile_only`). Inductor keeps what it
+compiles: a graph first runs on the engine's thread (`compile_only`). Inductor keeps what it
 compiled on disk (TORCHINDUCTOR_CACHE_DIR, .cache/torchinductor unless set: engine/__init__.py):
 a later start with the same model shape, torch and model code loads the graphs instead of
 compiling them, in seconds."""
@@ -131,10 +131,10 @@ def _decode_function(size: int, streams: bool = False) -> Callable[..., tuple[to
     """_decode under a code object of its own. Dynamo keeps compiled graphs per code object and
     picks one by checking the call against each graph's guards in turn: one graph per bucket
     behind its own code object is one graph to pick from."""
-    return _named(_decode_with_streams if streams else _decode, f"batch_{size}")
+    return renamed_copy(_decode_with_streams if streams else _decode, f"batch_{size}")
 
 
-def _named(function: Callable, label: str) -> Callable[..., tuple[torch.Tensor, ...]]:
+def renamed_copy(function: Callable, label: str) -> Callable[..., tuple[torch.Tensor, ...]]:
     """`function` under a code object of its own, named `function`_`label`."""
     code = function.__code__.replace(co_name=f"{function.__name__}_{label}")
     return types.FunctionType(code, function.__globals__, code.co_name)
@@ -148,13 +148,13 @@ BACKEND: str | Callable = "inductor"  # what decode graphs compile with (a torch
 
 
 class _NotRun(Exception):
-    """Raised in place of a compiled graph's run on a thread that only compiles (`_compile_only`)."""
+    """Raised in place of a compiled graph's run on a thread that only compiles (`compile_only`)."""
 
 
 _only_compiling = threading.local()  # .active on the thread compiling graphs: it runs none of them
 
 
-def _compile_only(backend: str | Callable) -> Callable[[torch.fx.GraphModule, list], Callable[..., object]]:
+def compile_only(backend: str | Callable) -> Callable[[torch.fx.GraphModule, list], Callable[..., object]]:
     """`backend`, whose graphs refuse to run (_NotRun) on a thread that only compiles.
 
     A graph's first call compiles it, then runs it. Functionalized, as AOTAutograd makes every graph
@@ -180,7 +180,7 @@ def _compile_only(backend: str | Callable) -> Callable[[torch.fx.GraphModule, li
 
 
 def compile_without_running(call: Callable[[], object]) -> None:
-    """Make `call`, a call of a function compiled through `_compile_only`'s backend, compile its graph
+    """Make `call`, a call of a function compiled through `compile_only`'s backend, compile its graph
     (or pass the guards of one compiled before) on this thread, running no graph."""
     _only_compiling.active = True
     try:
@@ -373,10 +373,10 @@ class CompiledDecode(BucketGraphs):
         self.min_width = min_width(cache)
         kinds = {"decode": lambda size: _decode_function(size, streams)}
         if streams:
-            kinds["draft"] = lambda size: _named(draft_rows, f"batch_{size}")
+            kinds["draft"] = lambda size: renamed_copy(draft_rows, f"batch_{size}")
         if dspark_block:
-            kinds["dspark"] = lambda size: _named(draft_blocks, f"batch_{size}")
-        backend = _compile_only(BACKEND)
+            kinds["dspark"] = lambda size: renamed_copy(draft_blocks, f"batch_{size}")
+        backend = compile_only(BACKEND)
         self._graphs = {
             (kind, size): torch.compile(function(size), backend=backend, dynamic=False, fullgraph=True)
             for kind, function in kinds.items()
@@ -529,7 +529,7 @@ class CompiledDecode(BucketGraphs):
         return self._graphs[graph](self.model, self.cache, *inputs)
 
     def _compile(self, size: int) -> None:
-        """Compile the bucket's graphs on padding rows' inputs, running none of them (_compile_only)."""
+        """Compile the bucket's graphs on padding rows' inputs, running none of them (compile_only)."""
         start = time.perf_counter()
         graphs = {("decode", size): self._padded(size, [], [], [], [], [])}
         if self.streams:

@@ -36,10 +36,10 @@ from engine import compiled_decode
 from engine.compiled_decode import (
     BucketGraphs,
     CompiledDecode,
-    _compile_only,
-    _named,
+    compile_only,
     compile_without_running,
     compiled_code,
+    renamed_copy,
 )
 from engine.model import DeepseekV4ForCausalLM, StepInput
 from engine.model.v4 import DecoderLayer
@@ -141,7 +141,7 @@ class CompiledPrefill(BucketGraphs):
         """`max_tokens`: the most tokens a step computes (the engine's max_num_batched_tokens)."""
         super().__init__(token_buckets(max_tokens))
         self.model, self.cache = model, cache
-        self._backend = _compile_only(compiled_decode.BACKEND)
+        self._backend = compile_only(compiled_decode.BACKEND)
         self._kinds = [layer_kind(layer) for layer in model.model.layers]
         # per piece, bucket and kind of layer ("model" for embed and head): its torch.compile'd
         # function, and once compiled, the code to call its one graph without Dynamo (or None)
@@ -233,7 +233,7 @@ class CompiledPrefill(BucketGraphs):
         of the kind's guards), then compute its output eager: the next piece's example inputs."""
         piece, size, kind = graph
         if graph not in self._graphs:
-            function = _named(PIECES[piece], f"{kind}_tokens_{size}")
+            function = renamed_copy(PIECES[piece], f"{kind}_tokens_{size}")
             self._graphs[graph] = torch.compile(function, backend=self._backend, dynamic=False, fullgraph=True)
         compile_without_running(lambda: self._graphs[graph](module, *rows))
         return PIECES[piece](module, *rows)
