@@ -151,11 +151,14 @@ class Codec:
         try:
             request = request_type(body)
             model = request.model
-            return request.convert(self.options), model, extras
+            converted = request.convert(self.options)
         except recipe.ConversionError as err:
             raise ProtocolError(err.status_code, err.body) from err
         except Exception as err:  # a number the recipe cannot hold (OverflowError), ...
             raise ProtocolError(400, error_json(endpoint, f"unreadable request: {err}")) from err
+        if extras.forces_a_call and converted.conversation.thinking_mode:  # as the recipe says of `required`
+            raise ProtocolError(400, error_json(endpoint, "Thinking mode does not support this tool_choice"))
+        return converted, model, extras
 
     def prompt(self, endpoint: str, body: dict[str, Any] | bytes | str) -> Prompt:
         """What the engine needs for a request, or ProtocolError: whatever in the body makes it
@@ -163,10 +166,13 @@ class Codec:
         if endpoint == "completions":
             return self.completions.prompt(body)
         conversation_request, model, extras = self.convert(endpoint, body)
+        conversation = conversation_request.conversation
         try:
-            token_ids = self.encoding.encode(conversation_request.conversation)
+            if extras.forces_a_call:
+                conversation = _calling_a_tool(conversation)
+            token_ids = self.encoding.encode(conversation)
             images = []
-            if resolved := self._images(conversation_request.conversation):
+            if resolved := self._images(conversation):
                 token_ids, images = placed(token_ids, self.image_placeholder, resolved)
             max_tokens = conversation_request.resolve_max_tokens(len(token_ids), self.context_limit)
             options = conversation_request.inference_options
@@ -194,7 +200,8 @@ class Codec:
             thinking = bool(token_ids) and token_ids[-1] == self.think_start  # reasoning first, then the answer
             try:
                 one_call = isinstance(body, dict) and _one_call(body)
-                grammar = output_grammar(constraint.kind, constraint.schema, thinking, self.markup, one_call)
+                kind = "tool_call_required" if extras.forces_a_call else constraint.kind
+                grammar = output_grammar(kind, constraint.schema, thinking, self.markup, one_call)
             except ConstraintError as err:
                 raise ProtocolError(400, error_json(endpoint, str(err))) from err
         return Prompt(
@@ -270,6 +277,7 @@ class Codec:
         conversation_request, model, extras = self.convert(endpoint, body)
         request_type, response_type = ENDPOINTS[endpoint]
         parsing = conversation_request.parsing_options
+        parsing.starts_in_tool_calls |= extras.forces_a_call  # the prompt opened the calls (_calling_a_tool)
         generator = request_type.chunk_generator(conversation_request, response_id, model)
         processor = recipe.StreamProcessor(generator, parsing, self.tokenizer)
         # with ignore_eos the model's stop tokens are generated like any other (and shown as nothing)
@@ -428,6 +436,19 @@ class OutputStream:
                 if isinstance(usage, dict) and isinstance(usage.get(details), dict):
                     usage[details]["reasoning_tokens"] = self.reasoning_tokens
         return data
+
+
+def _calling_a_tool(conversation: Any) -> Any:
+    """The conversation with Chat Completions' `tool_choice: required` (Anthropic's `any`, which the
+    recipe converts as `auto`): its prompt ends inside the opened tool calls, as the recipe renders
+    `required`, and the grammar of `tool_call_required` holds the answer to calls of its tools."""
+    return recipe.Conversation(
+        conversation.messages,
+        thinking_mode=conversation.thinking_mode,
+        tools=conversation.tools,
+        tool_choice="required",
+        reasoning_effort=conversation.reasoning_effort,
+    )
 
 
 def _one_call(body: dict[str, Any]) -> bool:

@@ -110,7 +110,7 @@ MESSAGES_FIELDS = {
     "top_p": "nucleus sampling",
     "stream": "Server-Sent Events",
     "tools": "tools the model may use",
-    "tool_choice": "a named tool is enforced; auto and any leave the choice to the model",
+    "tool_choice": "any and a named tool are enforced (without thinking); auto leaves the choice to the model",
     "thinking": "reasoning before the answer: enabled (or adaptive) or disabled",
     "output_config": "effort: reasoning first, at this effort",
     "metadata": "user_id, recorded on the request's trace",
@@ -156,6 +156,9 @@ class Extras:
     include_usage: bool = False  # the usage on a last stream chunk of its own (OpenAI's include_usage)
     continuous_usage: bool = False  # usage on every stream chunk (vLLM's continuous_usage_stats)
     traced: tuple[tuple[str, str], ...] = ()  # (field, value) for the request's trace
+    # Anthropic's `tool_choice: {"type": "any"}`: a call of one of the tools, which the recipe reads
+    # as `auto` (the tokenizer enforces it as Chat Completions' `required`)
+    forces_a_call: bool = False
 
 
 def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str, Any], Extras]:
@@ -172,7 +175,9 @@ def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str
         if endpoint == "responses":
             rest = _responses_include(rest)
         extras = _engine_extras(body, vocab_size)
-        return rest, Extras(**{**extras.__dict__, "traced": traced})
+        choice = body.get("tool_choice")
+        forces_a_call = isinstance(choice, dict) and choice.get("type") == "any" and bool(body.get("tools"))
+        return rest, Extras(**{**extras.__dict__, "traced": traced, "forces_a_call": forces_a_call})
     recipe_body = {k: v for k, v in body.items() if k not in (*ENGINE_EXTRAS, *NEUTRAL, "chat_template_kwargs")}
     if "max_completion_tokens" in body:
         cap = recipe_body.pop("max_completion_tokens")

@@ -551,6 +551,29 @@ class GatewayBehaviour(SDKClients):
         )
         Forecast.model_validate_json(next(item for item in answer.output if item.type == "function_call").arguments)
 
+    def test_anthropic_tool_choice_any_calls_one_of_the_tools(self, claude):
+        """Anthropic's `tool_choice: {"type": "any"}`: the model must call one of the tools. The
+        recipe reads it as `auto`, and the random-weight model answered in text; it is enforced as
+        Chat Completions' `required` is, streamed or not. With thinking on it is refused, as the
+        recipe refuses `required` and a named tool."""
+        tools = [
+            {"name": "forecast", "input_schema": Forecast.model_json_schema()},
+            {"name": "office", "input_schema": Office.model_json_schema()},
+        ]
+        models = {"forecast": Forecast, "office": Office}
+        request = dict(model=MODEL, max_tokens=100, messages=QUESTION, tools=tools, tool_choice={"type": "any"})
+        greedy = {"temperature": 0, **GREEDY["extra_body"]}
+        message = claude.messages.create(**request, extra_body=greedy)
+        with claude.messages.stream(**request, extra_body=greedy) as stream:
+            streamed = stream.get_final_message()
+        assert [(b.name, b.input) for b in streamed.content] == [(b.name, b.input) for b in message.content]
+        for answer in (message, streamed):
+            assert answer.stop_reason == "tool_use", answer
+            calls = [block for block in answer.content if block.type == "tool_use"]
+            assert calls and all(models[call.name].model_validate(call.input) for call in calls), answer
+        with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+            claude.messages.create(**request, extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}})
+
     def test_count_tokens_is_the_prompt_a_message_reports(self, claude):
         """Anthropic's count_tokens, by its SDK: the input tokens the same Messages request
         reports in its usage (cached or not), system prompt and tools included; nothing runs."""
