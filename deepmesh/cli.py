@@ -293,6 +293,19 @@ def _speculation(args: argparse.Namespace, settings) -> dict:
     }
 
 
+def text_prompt_ids(model: Path, text: str) -> list[int]:
+    """A text prompt's token ids as POST /v1/completions takes it (its checkpoint's tokenizer, a BOS
+    token first where its tokenizer_config.json says add_bos_token)."""
+    from tokenizer_svc.conversion import ProtocolError
+    from tokenizer_svc.protocol import Codec
+
+    codec = Codec.for_model(model, "deepmesh")
+    try:
+        return codec.completions.prompt_ids(codec.completions.request({"model": "deepmesh", "prompt": text}))
+    except ProtocolError as err:  # an empty prompt: the endpoint's message, as a usage error
+        raise ValueError(json.loads(err.body)["error"]["message"]) from None
+
+
 def _compile_prefill(args: argparse.Namespace, settings, model: Path) -> bool:
     """Whether prefill steps run as compiled pieces (DeepSeek-V4); they compile after the decode graphs."""
     compile_prefill = settings.compile_prefill if args.compile is None else args.compile
@@ -727,12 +740,11 @@ def _generate(args: argparse.Namespace) -> int:
     if not tokenizer_file.is_file():
         raise ValueError(f"{args.model} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    prompt = text_prompt_ids(args.model, args.prompt)
     compile_decode = _compile_decode(args, Settings())
     engine = LLMEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, compile_decode=compile_decode
     )
-    bos = [engine.config.bos_token_id] if engine.config.bos_token_id is not None else []
-    prompt = bos + tokenizer.encode(args.prompt, add_special_tokens=False).ids
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )

@@ -117,6 +117,8 @@ def test_generate_reports_bad_input_clearly(tiny_preset, tmp_path):
     result = deepmesh("generate", "--model", str(tiny_preset), "--prompt", "x", "--max-tokens", "0")
     assert result.returncode == 2 and "max_tokens must be a positive integer" in result.stderr
     assert "Traceback" not in result.stderr
+    result = deepmesh("generate", "--model", str(tiny_preset), "--prompt", "")
+    assert result.returncode == 2 and "the prompt is empty" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serve_answers_while_its_decode_graphs_compile_and_cache_stats_reads_its_cache(tiny_preset, tmp_path):

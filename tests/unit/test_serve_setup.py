@@ -72,3 +72,15 @@ def test_prefill_compiles_where_the_family_compiles_it_and_says_which(preset, co
     assert ("prefill runs eager" in said) is not compiled
     assert cli._compile_prefill(argparse.Namespace(compile=False), Settings(), checkpoint) is False
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v41"])
+def test_generate_tokenizes_a_text_prompt_as_transformers_does(preset, tmp_path):
+    """`deepmesh generate --prompt TEXT` takes the ids POST /v1/completions takes for TEXT (the same
+    function): transformers' tokenizer of the same checkpoint gives them too. The command put a
+    BOS token first that neither adds, so its text continued another prompt."""
+    from transformers import AutoTokenizer
+
+    checkpoint = make_model(tmp_path / preset, preset, seed=0)
+    text = "The mesh answers, token by token."
+    assert cli.text_prompt_ids(checkpoint, text) == AutoTokenizer.from_pretrained(checkpoint)(text).input_ids
