@@ -40,7 +40,7 @@ STACK_DIR = Path(__file__).resolve().parent.parent / ".cache" / "stack"
 
 SYSTEM_TIER = Path(__file__).resolve().parent / "system"
 # The in_process modules that take longest, longest first (CPU seconds on two cores: 112, 62, 58,
-# 38, 30, 30; the rest take 17 or less). The two workers running behind take a module each, then
+# 38, 30, 30; the rest take 20 or less). The two workers running behind take a module each, then
 # the next as each finishes: the longest first, they end within seconds of each other (started
 # last, test_parity_v41.py ran 45 s on one worker after the other had finished).
 LONGEST_MODULES = [

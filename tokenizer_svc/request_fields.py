@@ -175,7 +175,7 @@ def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str
         if endpoint == "responses":
             rest = _responses_include(rest)
         extras = _engine_extras(body, vocab_size)
-        choice = body.get("tool_choice")
+        choice = body.get("tool_choice") if endpoint == "messages" else None
         forces_a_call = isinstance(choice, dict) and choice.get("type") == "any" and bool(body.get("tools"))
         return rest, Extras(**{**extras.__dict__, "traced": traced, "forces_a_call": forces_a_call})
     recipe_body = {k: v for k, v in body.items() if k not in (*ENGINE_EXTRAS, *NEUTRAL, "chat_template_kwargs")}

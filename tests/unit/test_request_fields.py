@@ -316,3 +316,31 @@ def test_continuous_usage_counts_the_tokens_so_far_on_every_chunk(codec, answer,
 )
 def test_responses_and_messages_refuse_what_they_cannot_do_by_name(codec, endpoint, fields, named):
     assert named in refusal(codec, endpoint, {**BASES[endpoint], **fields})
+
+
+def test_anthropic_tool_choice_any_is_prompted_and_held_as_chat_completions_required(codec):
+    """Messages' `any` reaches the recipe as `auto`: it is prompted as the recipe renders Chat
+    Completions' `required` for the same conversation (the calls opened), under the same grammar.
+    Only Messages has `any`: a Responses request naming it is not taken for a forced call."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    question = [{"role": "user", "content": "The weather in Oslo?"}]
+    asked = {"model": MODEL, "max_tokens": 50, "messages": question}
+    asked["tools"] = [{"name": "forecast", "input_schema": schema}]
+    forced = codec.prompt("messages", asked | {"tool_choice": {"type": "any"}})
+    chat_tools = [{"type": "function", "function": {"name": "forecast", "parameters": schema}}]
+    required = codec.prompt(
+        "chat.completions",
+        {"model": MODEL, "max_tokens": 50, "messages": question, "tools": chat_tools, "tool_choice": "required"},
+    )
+    assert forced.token_ids == required.token_ids and forced.grammar == required.grammar is not None
+    free = codec.prompt("messages", asked | {"tool_choice": {"type": "auto"}})
+    assert free.grammar is None and free.token_ids != forced.token_ids
+    body = {"model": MODEL, "input": "The weather in Oslo?", "tools": [{"type": "function", "name": "forecast"}]}
+    assert not read_fields("responses", body | {"tool_choice": {"type": "any"}}).forces_a_call
+    assert read_fields("messages", {"model": MODEL, "tools": [{}], "tool_choice": {"type": "any"}}).forces_a_call
+
+
+def read_fields(endpoint: str, body: dict[str, Any]) -> Any:
+    from tokenizer_svc.request_fields import read
+
+    return read(endpoint, body, vocab_size=129_280)[1]
