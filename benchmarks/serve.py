@@ -66,7 +66,13 @@ def aiperf(base: str, work: Path, concurrency: int, requests: int, input_tokens:
         f" --random-seed 0 --artifact-dir {compat.q(compat.rel(out))} --ui-type none"
     )
     log = work / f"aiperf-c{concurrency}.log"
-    process = compat.start(argv, log, compat.client_env(work, offline=False))
+    # aiperf's memory-mapped dataset and its cache of them, in the work directory rather than
+    # /tmp and ~/.cache/aiperf, where each run left a directory behind
+    env = compat.client_env(work, offline=False) | {
+        "AIPERF_DATASET_MMAP_BASE_PATH": str(work / "aiperf-mmap"),
+        "AIPERF_DATASET_MMAP_CACHE_DIR": str(work / "aiperf-mmap-cache"),
+    }
+    process = compat.start(argv, log, env)
     try:
         process.wait(timeout=1800)
     finally:
