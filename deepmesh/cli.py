@@ -309,8 +309,8 @@ def text_prompt_ids(model: Path, text: str) -> list[int]:
 def _compile_prefill(args: argparse.Namespace, settings, model: Path) -> bool:
     """Whether prefill steps run as compiled pieces (DeepSeek-V4); they compile after the decode graphs."""
     compile_prefill = settings.compile_prefill if args.compile is None else args.compile
-    if compile_prefill and _model_type(model) == "deepseek_v41":
-        print("prefill runs eager: DeepSeek-V4.1's prefill step is not compiled (its decode step is)", file=sys.stderr)
+    if compile_prefill and (model_type := _without_compiled_prefill(model)):
+        print(f"prefill runs eager: {model_type}'s prefill step is not compiled (its decode step is)", file=sys.stderr)
         return False
     if compile_prefill:
         logging.getLogger("engine.compiled_prefill").setLevel(logging.INFO)
@@ -322,12 +322,17 @@ def _compile_prefill(args: argparse.Namespace, settings, model: Path) -> bool:
     return compile_prefill
 
 
-def _model_type(model: Path) -> str | None:
-    """The checkpoint's model_type, where its config.json reads (else None: loading it says why)."""
+def _without_compiled_prefill(model: Path) -> str | None:
+    """The checkpoint's model_type where its family's prefill steps do not compile (the model class's
+    `compiles_prefill`); None otherwise, and where its config does not read (loading it says why)."""
+    from engine.errors import UnsupportedCheckpointError
+    from engine.families import model_class, read_config
+
     try:
-        return json.loads((Path(model) / "config.json").read_text()).get("model_type", "deepseek_v4")
-    except (OSError, ValueError, AttributeError):
+        config = read_config(model)
+    except UnsupportedCheckpointError:
         return None
+    return None if model_class(config).compiles_prefill else config.model_type
 
 
 def _compile_decode(args: argparse.Namespace, settings) -> bool:

@@ -250,9 +250,10 @@ _switch_interval = _SwitchInterval()
 _compiling: weakref.WeakSet[BucketGraphs] = weakref.WeakSet()  # what compiles graphs in this process
 
 
-def compiling_anywhere() -> bool:
-    """Whether a decode graph or prefill piece of this process is compiling now (or waiting to)."""
-    return any(compiled.compiling for compiled in list(_compiling))
+def compiling_anywhere(kind: type[BucketGraphs] | None = None) -> bool:
+    """Whether a decode graph or prefill piece (`kind`: one of that class) of this process is
+    compiling now (or waiting to)."""
+    return any(compiled.compiling and isinstance(compiled, kind or BucketGraphs) for compiled in list(_compiling))
 
 
 @atexit.register

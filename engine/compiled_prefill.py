@@ -119,10 +119,6 @@ def layer_kind(layer: DecoderLayer) -> str:
     return f"{attention.layer_type}_{rate}_{'hash' if layer.mlp.gate.hashed else 'routed'}"
 
 
-def _decode_graphs_compiling() -> bool:
-    return any(isinstance(other, CompiledDecode) and other.compiling for other in list(compiled_decode._compiling))
-
-
 def _padded(rows: torch.Tensor, length: int) -> torch.Tensor:
     """A copy of `rows` with zero rows appended up to `length`: made in inference mode, as the graphs'
     inputs were (a tensor made outside it would fail their guards)."""
@@ -204,7 +200,7 @@ class CompiledPrefill(BucketGraphs):
             return PIECES[piece](module, *rows)
 
     def _may_compile(self) -> bool:
-        return not _decode_graphs_compiling()
+        return not compiled_decode.compiling_anywhere(CompiledDecode)
 
     def _compile(self, size: int) -> None:
         """Compile the bucket's pieces for every layer (a layer of a kind already compiled only

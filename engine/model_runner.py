@@ -68,7 +68,7 @@ class ModelRunner:
         )
         self.compiled_prefill = (
             CompiledPrefill.create(model, cache, max_num_batched_tokens)
-            if compile_prefill and getattr(model, "compiles_prefill", False)
+            if compile_prefill and model.compiles_prefill
             else None
         )
 

@@ -523,6 +523,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     # parameters that stay in fp32 whatever the checkpoint dtype
     fp32_parameter_suffixes = ("_fn", "_base", "_scale", "attn_sink", "gate.bias", "gate.bias_vl", "norm.weight")
     compiles_decode = True  # engine/compiled_decode.py builds its decode step (Engram windows as an input)
+    compiles_prefill = False  # its prefill steps run eager (YOCO's row subsets are not split into pieces)
 
     def __init__(self, config: V41Config, tokenizer_file: str | None = None, draft_stages: int = 0):
         """`draft_stages`: build the checkpoint's DSpark stages (`mtp.*`, engine/model/dspark.py)."""
