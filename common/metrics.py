@@ -7,6 +7,8 @@ every service shares the gateway's /metrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -102,3 +104,10 @@ REPORTED_LOAD = Gauge(
     "What this replica last reported (queued_jobs, running_jobs, queued_tokens, free_blocks, free_slots)",
     ["service", "measure"],
 )
+
+
+def export_compile_progress(gauge: Gauge, service: str, progress: Callable[[], tuple[int, int]]) -> None:
+    """`gauge` (DECODE_GRAPHS or PREFILL_GRAPHS) read from `progress()`, (buckets ready, planned),
+    at each scrape."""
+    for index, state in enumerate(("ready", "planned")):
+        gauge.labels(service, state).set_function(lambda index=index: progress()[index])

@@ -70,9 +70,7 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
         self.image_rows = ImageRows(store, engine.weights, retention)
         self.loaded = self.recomputed = 0
         self.step_time = MovingAverage(0.1)  # seconds per engine step, for the load reports
-        for index, state in enumerate(("ready", "planned")):
-            graphs = metrics.DECODE_GRAPHS.labels(self.group, state)
-            graphs.set_function(lambda index=index: engine.compile_progress()[index])
+        metrics.export_compile_progress(metrics.DECODE_GRAPHS, self.group, engine.compile_progress)
 
     @property
     def busy(self) -> bool:

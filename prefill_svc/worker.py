@@ -135,9 +135,7 @@ class PrefillWorker(EngineWorker[_Job, PrefillPayload]):
         self.cache = PrefixConnector(store, engine.layout, retention)
         self.image_rows = ImageRows(store, engine.weights, retention)
         self.lease_seconds = lease_seconds
-        for index, state in enumerate(("ready", "planned")):
-            graphs = metrics.PREFILL_GRAPHS.labels(self.group, state)
-            graphs.set_function(lambda index=index: engine.compile_progress("prefill")[index])
+        metrics.export_compile_progress(metrics.PREFILL_GRAPHS, self.group, lambda: engine.compile_progress("prefill"))
         self.anchor_interval = anchor_interval  # tokens; a multiple of the block size
         # warm loads (finished conversations to hold, WarmPayload) run on a thread of their own,
         # never ahead of a job's own prefix load, and at most WARM_BACKLOG wait: each one is only
