@@ -39,3 +39,17 @@ def counting_drafts(counts: Counter) -> Callable[[LLMEngine], None]:
         )
 
     return count
+
+
+def recording_drafts(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
+    """Every sequence's drafts the engine's drafter proposes from now on, and their confidences
+    (empty for a drafter that gives none)."""
+    blocks: list[tuple[list[int], list[float]]] = []
+    advance = engine.drafter.advance
+
+    def recorded(seqs: list[Sequence], *args: object) -> None:
+        advance(seqs, *args)
+        blocks.extend((list(seq.drafts), list(seq.draft_confidence)) for seq in seqs if seq.drafts)
+
+    engine.drafter.advance = recorded
+    return blocks

@@ -30,7 +30,7 @@ from tests.support.compiled_models import (
     compiled_engine,
     compiling_through,
 )
-from tests.support.drafters import ScriptedDrafter
+from tests.support.drafters import ScriptedDrafter, recording_drafts
 from tests.support.models import all_state_free, decode_to_end, prefill_and_export, random_prompts
 
 # decoding crosses what a step can change: HCA windows close at 127 and 255 (prompts of 100 and
@@ -271,12 +271,12 @@ def test_speculative_steps_through_the_graphs_give_the_eager_tokens(family, tmp_
     with compiling_through(TRACED):
         engine = LLMEngine(model, compile_decode=True, **options)
     assert engine.wait_compiled(), engine.compiled_decode.failure
-    drafted = _recording_drafts(engine)
+    drafted = recording_drafts(engine)
     outputs = [engine.generate([prompt], greedy(24))[0] for prompt in batch]
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
     assert engine.compiled_decode.steps > 0 and all_state_free(engine)
     if method == "dspark":  # every block's drafts and confidences, against an eager engine's
-        eager_drafts = _recording_drafts(eager_engine := LLMEngine(model, **options))
+        eager_drafts = recording_drafts(eager_engine := LLMEngine(model, **options))
         for prompt in batch:
             eager_engine.generate([prompt], greedy(24))
         assert len(drafted) == len(eager_drafts) > 20
@@ -288,16 +288,3 @@ def test_speculative_steps_through_the_graphs_give_the_eager_tokens(family, tmp_
     before = engine.compiled_decode.steps
     [output] = engine.generate([batch[1]], greedy(24))
     assert output.token_ids == eager[1].token_ids and engine.compiled_decode.steps > before
-
-
-def _recording_drafts(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
-    """Every sequence's drafts the engine's drafter proposes from now on, and their confidences."""
-    blocks: list[tuple[list[int], list[float]]] = []
-    advance = engine.drafter.advance
-
-    def recorded(seqs: list, streams: object, starts: list[int], wanted: list[int]) -> None:
-        advance(seqs, streams, starts, wanted)
-        blocks.extend((list(seq.drafts), list(seq.draft_confidence)) for seq in seqs if seq.drafts)
-
-    engine.drafter.advance = recorded
-    return blocks

@@ -16,6 +16,7 @@ import pytest
 from engine import LLMEngine, SamplingParams, compiled_prefill
 from engine.compiled_prefill import row_groups, token_buckets
 from tests.support.compiled_models import DRAFTING_MODELS, TRACED, compiling_through, write_three_layer_model
+from tests.support.drafters import recording_drafts
 from tests.support.models import all_state_free, random_prompts
 
 LENGTHS = (3, 16, 23, 50, 130)  # under a bucket, one, two (padded), four a step, chunked over steps
@@ -90,25 +91,12 @@ def test_the_drafter_reads_the_streams_the_pieces_give(tmp_path_factory, prompts
     model = LLMEngine.from_pretrained(write(tmp_path_factory.mktemp(method) / "model")).model
     options = dict(speculative=method, speculative_tokens=2)
     eager = LLMEngine(model, max_num_batched_tokens=BUDGET, **options)
-    eager_drafts = _recording_drafts(eager)
+    eager_drafts = recording_drafts(eager)
     expected = [eager.generate([prompt], greedy(16))[0].token_ids for prompt in prompts[2:4]]
     engine = compiled_engine(model, monkeypatch, **options)
-    drafts = _recording_drafts(engine)
+    drafts = recording_drafts(engine)
     outputs = [engine.generate([prompt], greedy(16))[0].token_ids for prompt in prompts[2:4]]
     assert outputs == expected
-    assert len(drafts) > 10 and drafts == eager_drafts
+    assert len(drafts) > 10 and [d for d, _ in drafts] == [d for d, _ in eager_drafts]
     assert engine.compiled_prefill.steps > 0 and engine.compiled_prefill.eager_pieces == 0
     assert all_state_free(engine)
-
-
-def _recording_drafts(engine: LLMEngine) -> list[list[int]]:
-    """Every sequence's drafts the engine's drafter proposes from now on."""
-    drafted: list[list[int]] = []
-    advance = engine.drafter.advance
-
-    def recorded(seqs: list, *args: object) -> None:
-        advance(seqs, *args)
-        drafted.extend(list(seq.drafts) for seq in seqs if seq.drafts)
-
-    engine.drafter.advance = recorded
-    return drafted
