@@ -11,8 +11,10 @@ sequences at once (a quarter of the tokens each):
 Then, through the engine: the time to the first token of a new prompt (`generate`, max_tokens 1, a
 different prompt each round) with and without `compile_prefill`.
 
-    python benchmarks/compiled_prefill.py [--config small|tiny-vocab] [--lengths 16 64 256 1024]
-        [--rounds 7] [--bound]
+    python benchmarks/compiled_prefill.py [--config small|tiny-vocab | --preset small-v41]
+        [--lengths 16 64 256 1024] [--rounds 7] [--bound]
+
+`--preset`: a preset of `deepmesh make-model` instead (DeepSeek-V4.1's `tiny-v41`, `small-v41`).
 
 Prints, per step: milliseconds (medians of alternating rounds), tokens/s, the ratio to eager, the
 largest difference of the rows' final hidden states from eager's and how many rows differ by more
@@ -31,8 +33,8 @@ from pathlib import Path
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.checkpoint.make_model import write_checkpoint
-from engine.model import SeqSlice, StepInput
+from engine.checkpoint.make_model import make_model, write_checkpoint
+from engine.model import SeqSlice, StepInput, ngram_context
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +60,9 @@ def step_of(engine: LLMEngine, lengths: list[int], generator: torch.Generator) -
     step = StepInput.of(
         tokens, [SeqSlice(slot, 0, n, table) for slot, n, table in zip(slots, lengths, blocks, strict=True)]
     )
+    if n := getattr(engine.model, "ngram_context", 0):  # V4.1's Engram windows, each chunk from its start
+        chunks = tokens.split(lengths)
+        step.ngram_context = torch.cat([ngram_context([], chunk.tolist(), n) for chunk in chunks])
 
     def free() -> None:
         for slot, table in zip(slots, blocks, strict=True):
@@ -131,13 +136,14 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--preset", help="a `deepmesh make-model` preset instead of --config (small-v41)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--bound", action="store_true", help="also the whole forward compiled for each exact step")
     args = parser.parse_args()
-    path = ROOT / ".cache/models" / args.config
+    path = ROOT / ".cache/models" / (args.preset or args.config)
     if not (path / "config.json").is_file():
-        write_checkpoint(path, CONFIGS[args.config], seed=0)
+        make_model(path, args.preset, seed=0) if args.preset else write_checkpoint(path, CONFIGS[args.config], seed=0)
     budget = max(args.lengths)
     eager = LLMEngine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=budget)
     compiled = LLMEngine(

@@ -306,33 +306,17 @@ def text_prompt_ids(model: Path, text: str) -> list[int]:
         raise ValueError(json.loads(err.body)["error"]["message"]) from None
 
 
-def _compile_prefill(args: argparse.Namespace, settings, model: Path) -> bool:
-    """Whether prefill steps run as compiled pieces (DeepSeek-V4); they compile after the decode graphs."""
+def _compile_prefill(args: argparse.Namespace, settings) -> bool:
+    """Whether prefill steps run as compiled pieces; they compile after the decode graphs."""
     compile_prefill = settings.compile_prefill if args.compile is None else args.compile
-    if compile_prefill and (model_type := _without_compiled_prefill(model)):
-        print(f"prefill runs eager: {model_type}'s prefill step is not compiled (its decode step is)", file=sys.stderr)
-        return False
     if compile_prefill:
         logging.getLogger("engine.compiled_prefill").setLevel(logging.INFO)
         print(
-            "compiling the prefill step's pieces in the background (DeepSeek-V4, after any decode graphs), "
+            "compiling the prefill step's pieces in the background (after any decode graphs), "
             "one set per token bucket; prompts are prefilled eager until a step's buckets are ready",
             file=sys.stderr,
         )
     return compile_prefill
-
-
-def _without_compiled_prefill(model: Path) -> str | None:
-    """The checkpoint's model_type where its family's prefill steps do not compile (the model class's
-    `compiles_prefill`); None otherwise, and where its config does not read (loading it says why)."""
-    from engine.errors import UnsupportedCheckpointError
-    from engine.families import model_class, read_config
-
-    try:
-        config = read_config(model)
-    except UnsupportedCheckpointError:
-        return None
-    return None if model_class(config).compiles_prefill else config.model_type
 
 
 def _compile_decode(args: argparse.Namespace, settings) -> bool:
@@ -385,7 +369,7 @@ def _serve(args: argparse.Namespace) -> int:
         maintenance_seconds=settings.cache_maintenance_seconds,
         resident_prefix_bytes=settings.resident_prefix_bytes,
         compile_decode=_compile_decode(args, settings),
-        compile_prefill=_compile_prefill(args, settings, model),
+        compile_prefill=_compile_prefill(args, settings),
         speculation=_speculation(args, settings),
         default_thinking=settings.default_thinking if args.default_thinking is None else args.default_thinking,
         image_policy=ImagePolicy.from_settings(settings),
@@ -514,7 +498,7 @@ def _service(args: argparse.Namespace) -> int:
         return 0
     replicas = _replica_table(bus, settings.topic_prefix)
     compile_decode = _compile_decode(args, settings) if args.command == "decode" else False
-    compile_prefill = _compile_prefill(args, settings, model) if args.command == "prefill" else False
+    compile_prefill = _compile_prefill(args, settings) if args.command == "prefill" else False
     speculation = _speculation(args, settings) if args.command == "decode" else {}
     compiling = {"compile_decode": compile_decode, "compile_prefill": compile_prefill}
     worker = _make_worker(args.command, bus, settings, model, replicas, compiling, speculation)

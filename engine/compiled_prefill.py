@@ -21,7 +21,10 @@ The graphs compile on a thread of their own, each bucket once no decode graph of
 compiling (engine/compiled_decode.py: the same backend, the same rule that the compiling thread
 runs no graph): a busy replica runs decode steps most. Until every bucket a step needs is ready,
 the step runs eager, and both paths compute the same rows (tests/system/test_compiled_prefill.py).
-Inductor's disk cache serves them as it serves the decode graphs."""
+Inductor's disk cache serves them as it serves the decode graphs.
+
+DeepSeek-V4's pieces come first below; DeepSeek-V4.1's (`CompiledPrefillV41`) split its layers the
+same way, and differ where its model does (the YOCO boundary's kept rows, Engram, DSpark's keys)."""
 
 from __future__ import annotations
 
@@ -42,7 +45,10 @@ from engine.compiled_decode import (
     renamed_copy,
 )
 from engine.model import DeepseekV4ForCausalLM, StepInput
+from engine.model.dspark import store_main_keys
 from engine.model.v4 import DecoderLayer
+from engine.model.v41 import DecoderLayer as DecoderLayerV41
+from engine.model.v41 import DeepseekV41ForCausalLM, StepContext, kept_rows, stream_mean
 from engine.state_cache import StateCache
 
 log = logging.getLogger(__name__)
@@ -132,19 +138,34 @@ class CompiledPrefill(BucketGraphs):
     every bucket the step needs is ready (`is_ready`); the engine runs a step eager otherwise."""
 
     what = "prefill"
+    pieces = PIECES  # by name: the functions a step's graphs are compiled from
+
+    @staticmethod
+    def create_for(model: torch.nn.Module, cache: StateCache, max_tokens: int) -> CompiledPrefill | None:
+        """The family's compiled prefill (`create`: None where compiling is unavailable)."""
+        graphs = CompiledPrefillV41 if isinstance(model, DeepseekV41ForCausalLM) else CompiledPrefill
+        return graphs.create(model, cache, max_tokens)
 
     def __init__(self, model: DeepseekV4ForCausalLM, cache: StateCache, max_tokens: int):
         """`max_tokens`: the most tokens a step computes (the engine's max_num_batched_tokens)."""
         super().__init__(token_buckets(max_tokens))
         self.model, self.cache = model, cache
         self._backend = compile_only(compiled_decode.BACKEND)
-        self._kinds = [layer_kind(layer) for layer in model.model.layers]
+        self._kinds = [self.kind_of(layer) for layer in self.layers]
         # per piece, bucket and kind of layer ("model" for embed and head): its torch.compile'd
         # function, and once compiled, the code to call its one graph without Dynamo (or None)
         self._graphs: dict[tuple[str, int, str], Callable] = {}
         self._direct: dict[tuple[str, int, str], Callable | None] = {}
         self.steps = 0  # steps run through the pieces
         self.eager_pieces = 0  # piece calls that ran eager because no graph's guards passed
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.model.model.layers
+
+    @staticmethod
+    def kind_of(layer: torch.nn.Module) -> str:
+        return layer_kind(layer)
 
     def is_ready(self, tokens: int) -> bool:
         """Whether a step of `tokens` rows can run through compiled pieces now."""
@@ -197,7 +218,7 @@ class CompiledPrefill(BucketGraphs):
             self.eager_pieces += 1
             if self.eager_pieces == 1:
                 log.warning("prefill piece %s ran eager (no compiled graph fits): %s", graph, error)
-            return PIECES[piece](module, *rows)
+            return self.pieces[piece](module, *rows)
 
     def _may_compile(self) -> bool:
         return not compiled_decode.compiling_anywhere(CompiledDecode)
@@ -216,6 +237,10 @@ class CompiledPrefill(BucketGraphs):
             out = streams.new_zeros(size, attention.num_heads, attention.head_dim)
             streams = self._compiled_then_eager(("after", size, kind), layer, streams, post, comb, out, rope, input_ids)
         self._compiled_then_eager(("head", size, "model"), model, streams)
+        self._finish_bucket(size, start)
+
+    def _finish_bucket(self, size: int, start: float) -> None:
+        """The bucket's graphs, every piece compiled: called directly from now on, and ready."""
         for graph, compiled in self._graphs.items():
             if graph[1] == size:  # every layer of the kind passed the graph's guards: one graph
                 self._direct[graph] = compiled_code(compiled)
@@ -229,7 +254,152 @@ class CompiledPrefill(BucketGraphs):
         of the kind's guards), then compute its output eager: the next piece's example inputs."""
         piece, size, kind = graph
         if graph not in self._graphs:
-            function = renamed_copy(PIECES[piece], f"{kind}_tokens_{size}")
+            function = renamed_copy(self.pieces[piece], f"{kind}_tokens_{size}")
             self._graphs[graph] = torch.compile(function, backend=self._backend, dynamic=False, fullgraph=True)
         compile_without_running(lambda: self._graphs[graph](module, *rows))
-        return PIECES[piece](module, *rows)
+        return self.pieces[piece](module, *rows)
+
+
+# DeepSeek-V4.1 (engine/model/v41.py): the same split, around its attention core (the compressor's
+# entries, the window, the shared top-k). Its layers hand on the collapse weights (`pre`) with the
+# streams, an Engram layer reads the step's hashed n-grams, and from the YOCO boundary on a
+# truncated prompt's layers run its kept rows only: the pieces after the boundary run on those rows,
+# padded to their own bucket, as the eager model runs them (`kept_rows`). A step with images runs
+# eager (the model runner sends it there).
+
+
+def _embed_v41(model: DeepseekV41ForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+    return model.first_streams(model.embed(input_ids), positions)
+
+
+def _before_attention_v41(
+    layer: DecoderLayerV41, streams: torch.Tensor, pre: torch.Tensor, rope: dict, ngram_rows: torch.Tensor | None
+) -> tuple:
+    streams, x, attn_pre, post, comb = layer.before_attention(streams, pre, ngram_rows)
+    return streams, x, attn_pre, post, comb, layer.attn.project(x, rope)
+
+
+def _after_attention_v41(
+    layer: DecoderLayerV41,
+    streams: torch.Tensor,
+    attn_pre: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out: torch.Tensor,
+    rope: dict,
+) -> tuple:
+    out = layer.attn.output(out, *rope[layer.attn.rope_type])
+    return layer.after_attention(streams, attn_pre, post, comb, out)
+
+
+def _head_v41(model: DeepseekV41ForCausalLM, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return model.final_hidden(streams, pre)
+
+
+PIECES_V41: dict[str, Callable] = {
+    "embed": _embed_v41,
+    "before": _before_attention_v41,
+    "after": _after_attention_v41,
+    "head": _head_v41,
+}
+
+
+def layer_kind_v41(layer: DecoderLayerV41) -> str:
+    """What a V4.1 layer's pieces specialise on: its RoPE (compressed layers have their own), whether
+    it has an indexer, and its Engram table (one a layer, with its own hash columns)."""
+    attention = layer.attn
+    engram = f"_engram{layer.layer}" if layer.engram is not None else ""
+    return f"{attention.rope_type}_{'indexed' if attention.indexer is not None else 'plain'}{engram}"
+
+
+def _rows_of(tensors: object, index: torch.Tensor | slice) -> object:
+    return tree_map_only(torch.Tensor, lambda rows: rows[index], tensors)
+
+
+def _kept(tensors: object, index: torch.Tensor, length: int) -> object:
+    """The rows `index` of each tensor, padded to `length`."""
+    return tree_map_only(torch.Tensor, lambda rows: _padded(rows[index], length), tensors)
+
+
+class CompiledPrefillV41(CompiledPrefill):
+    """CompiledPrefill for DeepSeek-V4.1's prefill steps."""
+
+    pieces = PIECES_V41
+    model: DeepseekV41ForCausalLM
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.model.layers
+
+    @staticmethod
+    def kind_of(layer: torch.nn.Module) -> str:
+        return layer_kind_v41(layer)
+
+    @torch.inference_mode()
+    def __call__(self, step: StepInput) -> tuple[torch.Tensor, None]:
+        """The step's final hidden states [T, hidden], as the model's forward computes them (rows a
+        truncated prompt kept out of the consumer layers are 0); no residual streams (V4's drafter
+        reads those)."""
+        model, cache, config = self.model, self.cache, self.model.config
+        real = len(step.input_ids)
+        groups = row_groups(real, self.buckets)
+        length = sum(groups)
+        input_ids, positions = _padded(step.input_ids, length), _padded(step.positions, length)
+        streams, pre, rope = self._rows(("embed", "model"), groups, model, input_ids, positions)
+        ngram_rows = _padded(model.hasher(step), length) if model.hasher is not None else None
+        context, full, index, shared_hidden = StepContext(), step, None, None
+        # DSpark's main keys, where the engine drafts with it: its cache has the stages' rings
+        features = {} if model.mtp and len(cache.window) > config.num_hidden_layers else None
+        for i, (layer, kind) in enumerate(zip(model.layers, self._kinds, strict=True)):
+            if i == config.yoco_boundary:
+                shared_hidden = layer.attn_input(streams[:real], pre[:real])  # every row, eager
+                kept = kept_rows(step)
+                if kept is not None:  # from here on, the kept rows, padded to their own bucket
+                    step, index = kept
+                    real = len(index)
+                    groups = row_groups(real, self.buckets) if real else []
+                    length = sum(groups)
+                    streams, pre, rope, ngram_rows = _kept((streams, pre, rope, ngram_rows), index, length)
+            if i >= config.yoco_boundary and layer.attn.compressor is not None:
+                layer.attn.compress(shared_hidden, full, cache)  # YOCO: from every row of the step
+            if not real:
+                continue
+            rows = (streams, pre, rope, ngram_rows if layer.engram is not None else None)
+            streams, x, attn_pre, post, comb, projected = self._rows(("before", kind), groups, layer, *rows)
+            if features is not None and i in config.dspark_target_layer_ids:
+                features[i] = stream_mean(streams[:real])
+            out = layer.attn.attend(x[:real], _rows_of(projected, slice(real)), step, cache, context)
+            rows = (streams, attn_pre, post, comb, _padded(out, length), rope)
+            streams, pre = self._rows(("after", kind), groups, layer, *rows)
+        if real:
+            if features is not None:
+                main_rope = _rows_of(rope["main"], slice(real))
+                store_main_keys(model.mtp, cache, model.joined_features(features, index), step, main_rope)
+            hidden = self._rows(("head", "model"), groups, model, streams, pre)[:real]
+        else:
+            hidden = streams.new_zeros(0, config.hidden_size)
+        if index is not None:
+            hidden = hidden.new_zeros(len(full.input_ids), hidden.shape[-1]).index_copy_(0, index, hidden)
+        self.steps += 1
+        return hidden, None
+
+    def _compile(self, size: int) -> None:
+        """As CompiledPrefill._compile, with V4.1's pieces."""
+        start = time.perf_counter()
+        model = self.model
+        input_ids = torch.zeros(size, dtype=torch.long, device=model.lm_head.weight.device)
+        positions = torch.zeros_like(input_ids)
+        streams, pre, rope = self._compiled_then_eager(("embed", size, "model"), model, input_ids, positions)
+        ngram_rows = None
+        if model.hasher is not None:  # the hashes of n-grams of token 0
+            context = input_ids.new_zeros(size, model.ngram_context)
+            ngram_rows = model.hasher(StepInput(input_ids, positions, [], ngram_context=context))
+        for layer, kind in zip(model.layers, self._kinds, strict=True):
+            rows = (streams, pre, rope, ngram_rows if layer.engram is not None else None)
+            streams, x, attn_pre, post, comb, _ = self._compiled_then_eager(("before", size, kind), layer, *rows)
+            attention = layer.attn
+            out = x.new_zeros(size, attention.num_heads, attention.head_dim)
+            rows = (streams, attn_pre, post, comb, out, rope)
+            streams, pre = self._compiled_then_eager(("after", size, kind), layer, *rows)
+        self._compiled_then_eager(("head", size, "model"), model, streams, pre)
+        self._finish_bucket(size, start)

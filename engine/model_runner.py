@@ -67,7 +67,7 @@ class ModelRunner:
             else None
         )
         self.compiled_prefill = (
-            CompiledPrefill.create(model, cache, max_num_batched_tokens)
+            CompiledPrefill.create_for(model, cache, max_num_batched_tokens)
             if compile_prefill and model.compiles_prefill
             else None
         )

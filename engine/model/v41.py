@@ -24,6 +24,7 @@ What differs from V4 (engine/model/v4.py), layer by layer:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,15 @@ from engine.model.v4 import (
 from engine.state_cache import CompressorState, StateCache
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class Projected(NamedTuple):
+    """An attention layer's token-wise inputs to its core (`Attention.project`)."""
+
+    q: torch.Tensor  # [T, H, d]
+    kv: torch.Tensor  # [T, d]
+    index_q: torch.Tensor | None
+    index_w: torch.Tensor | None
 
 
 @dataclass
@@ -224,27 +234,38 @@ class Attention(AttentionProjections):
     def forward(
         self, x: torch.Tensor, step: StepInput, rope: Rope, cache: StateCache, ctx: StepContext
     ) -> torch.Tensor:
+        out = self.attend(x, self.project(x, rope), step, cache, ctx)
+        return self.output(out, *rope[self.rope_type])
+
+    # The attention apart from its core: token-wise, so the same for any mix of sequences in a step,
+    # and what a compiled prefill step compiles (engine/compiled_prefill.py).
+
+    def project(self, x: torch.Tensor, rope: Rope) -> Projected:
+        """Every row's queries, key, and index queries and weights (None without an indexer)."""
         cos, sin = rope[self.rope_type]
         q_residual = self.q_norm(self.wq_a(x))
-        q = self.queries(q_residual, cos, sin)
-        kv = self.keys(x, cos, sin)
-        if self.compressor is not None and not self.config.is_consumer(self.layer):
-            self.compress(x, step, cache)  # consumer layers compress from the shared hidden: see the model
         index_q = index_w = None
         if self.indexer is not None:
             index_q = self.indexer.queries(q_residual, cos, sin)
             index_w = self.indexer.weights_proj(x)
+        return Projected(self.queries(q_residual, cos, sin), self.keys(x, cos, sin), index_q, index_w)
+
+    def attend(self, x: torch.Tensor, projected: Projected, step: StepInput, cache: StateCache, ctx: StepContext):
+        """The attention core [T, H, d]: compresses the layer's input rows `x` into its entries
+        (a consumer layer's come from the shared hidden: see the model), writes the window's keys
+        and attends, vectorised across sequences for decode, per sequence chunk for prefill."""
+        q, kv, index_q, index_w = projected
+        if self.compressor is not None and not self.config.is_consumer(self.layer):
+            self.compress(x, step, cache)
         if step.is_decode:
-            out = self._decode(q, kv, index_q, index_w, step, cache, ctx)
-        else:
-            outs, begin = [], 0
-            for i, s in enumerate(step.slices):
-                rows = slice(begin, begin + s.length)
-                iq, iw = (index_q[rows], index_w[rows]) if index_q is not None else (None, None)
-                outs.append(self._prefill(q[rows], kv[rows], iq, iw, i, s, cache, ctx))
-                begin += s.length
-            out = torch.cat(outs)
-        return self.output(out, cos, sin)
+            return self._decode(q, kv, index_q, index_w, step, cache, ctx)
+        outs, begin = [], 0
+        for i, s in enumerate(step.slices):
+            rows = slice(begin, begin + s.length)
+            iq, iw = (index_q[rows], index_w[rows]) if index_q is not None else (None, None)
+            outs.append(self._prefill(q[rows], kv[rows], iq, iw, i, s, cache, ctx))
+            begin += s.length
+        return torch.cat(outs)
 
     # -- compressed state --------------------------------------------------------------------------
 
@@ -440,17 +461,50 @@ class DecoderLayer(nn.Module):
         ngram_rows: torch.Tensor | None,
         features: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.engram is not None:
-            streams = self.engram(streams, ngram_rows, step.image_rows)
+        streams, x, attn_pre, post, comb = self.before_attention(streams, pre, ngram_rows, step.image_rows)
         if features is not None:  # a DSpark target layer: its attention input, the streams' mean
-            features[self.layer] = streams.float().mean(dim=1).to(streams.dtype)
+            features[self.layer] = stream_mean(streams)
+        out = self.attn(x, step, rope, cache, ctx)
+        return self.after_attention(streams, attn_pre, post, comb, out, step.image_rows)
+
+    # The layer apart from its attention: token-wise, so the same for any mix of sequences in a
+    # step, and what a compiled prefill step compiles (engine/compiled_prefill.py).
+
+    def before_attention(
+        self,
+        streams: torch.Tensor,
+        pre: torch.Tensor,
+        ngram_rows: torch.Tensor | None,
+        image_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The streams with the layer's Engram added, the attention's input, and the attention
+        sublayer's hyper-connection weights (pre, post, comb)."""
+        if self.engram is not None:
+            streams = self.engram(streams, ngram_rows, image_rows)
         x = self.attn_input(streams, pre)
         attn_pre, post, comb = self.mixes("attn", streams)
-        streams = expand_and_mix(post, self.attn(x, step, rope, cache, ctx), comb, streams)
+        return streams, x, attn_pre, post, comb
+
+    def after_attention(
+        self,
+        streams: torch.Tensor,
+        attn_pre: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        out: torch.Tensor,  # [T, hidden]: the attention's output
+        image_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new streams and the MoE sublayer's `pre` (the next one's collapse weights)."""
+        streams = expand_and_mix(post, out, comb, streams)
         x = self.ffn_norm(collapse(attn_pre, streams))
         ffn_pre, post, comb = self.mixes("ffn", streams)
-        streams = expand_and_mix(post, self.ffn(x, step.image_rows), comb, streams)
+        streams = expand_and_mix(post, self.ffn(x, image_rows), comb, streams)
         return streams, ffn_pre
+
+
+def stream_mean(streams: torch.Tensor) -> torch.Tensor:
+    """A DSpark target layer's feature of each row: the mean of its residual streams."""
+    return streams.float().mean(dim=1).to(streams.dtype)
 
 
 class DraftAttention(AttentionProjections):
@@ -523,7 +577,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     # parameters that stay in fp32 whatever the checkpoint dtype
     fp32_parameter_suffixes = ("_fn", "_base", "_scale", "attn_sink", "gate.bias", "gate.bias_vl", "norm.weight")
     compiles_decode = True  # engine/compiled_decode.py builds its decode step (Engram windows as an input)
-    compiles_prefill = False  # its prefill steps run eager (YOCO's row subsets are not split into pieces)
+    compiles_prefill = True  # engine/compiled_prefill.py compiles all of it but the attention core
 
     def __init__(self, config: V41Config, tokenizer_file: str | None = None, draft_stages: int = 0):
         """`draft_stages`: build the checkpoint's DSpark stages (`mtp.*`, engine/model/dspark.py)."""
@@ -567,11 +621,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         `features_out`: gets DSpark's target features [kept rows, hidden * targets] appended (to
         train its stages: engine/checkpoint/train_dspark.py)."""
         cfg = self.config
-        embeds = self.embed_step(step)
-        rope = {label: rotary(step.positions, embeds.dtype) for label, rotary in self.rotary.items()}
-        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
-        pre[:, 0] = 1.0  # the first sublayer reads stream 0
+        streams, pre, rope = self.first_streams(self.embed_step(step), step.positions)
         ngram_rows = self.hasher(step) if self.hasher is not None else None
         ctx, full, index, shared_hidden = StepContext(), step, None, None
         # DSpark's main keys, where the engine drafts with it: its cache has the stages' rings
@@ -593,15 +643,30 @@ class DeepseekV41ForCausalLM(nn.Module):
                 wanted = features if features is not None and i in targets else None
                 streams, pre = layer(streams, pre, step, rope, cache, ctx, ngram_rows, wanted)
         if features is not None and step.input_ids.shape[0]:
-            joined = self._joined_features(features, index)
+            joined = self.joined_features(features, index)
             if features_out is not None:
                 features_out.append(joined)
             if stores_keys:
                 store_main_keys(self.mtp, cache, joined, step, rope["main"])
-        hidden = self.norm(collapse(pre, streams))
+        hidden = self.final_hidden(streams, pre)
         if index is None:
             return hidden
         return hidden.new_zeros(full.input_ids.shape[0], hidden.shape[-1]).index_copy_(0, index, hidden)
+
+    # The model apart from its layers: token-wise, compiled as pieces too (engine/compiled_prefill.py).
+
+    def first_streams(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Rope]:
+        """The residual streams the first layer reads (each the row's embedding), the collapse
+        weights that read stream 0, and the rows' RoPE."""
+        rope = {label: rotary(positions, embeds.dtype) for label, rotary in self.rotary.items()}
+        streams = embeds.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0  # the first sublayer reads stream 0
+        return streams, pre, rope
+
+    def final_hidden(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The final hidden states: the streams collapsed by the last sublayer's weights, normalised."""
+        return self.norm(collapse(pre, streams))
 
     def embed_step(self, step: StepInput) -> torch.Tensor:
         """The step's input rows: token embeddings, and at an image's positions the vision
@@ -612,7 +677,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         embeds[step.image_rows] = step.image_embeds.to(embeds.dtype)
         return embeds
 
-    def _joined_features(self, features: dict[int, torch.Tensor], index: torch.Tensor | None) -> torch.Tensor:
+    def joined_features(self, features: dict[int, torch.Tensor], index: torch.Tensor | None) -> torch.Tensor:
         """DSpark's features of the rows the last layer computed (a truncated prompt's kept rows):
         the target layers' in `dspark_target_layer_ids` order, those of layers before the YOCO
         boundary cut to the kept rows."""

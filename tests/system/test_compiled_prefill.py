@@ -1,7 +1,9 @@
-"""The compiled prefill step (engine/compiled_prefill.py) against the eager engine: the same greedy
-tokens and their logprobs for prompts that fit one bucket, that pad, that span several
-buckets a step, that are chunked across steps and batched beside other sequences' decode rows, and
-with V4's drafter reading the residual streams the pieces give.
+"""The compiled prefill step (engine/compiled_prefill.py) against the eager engine, on both
+families: the same greedy tokens and their logprobs for prompts that fit one bucket, that pad, that
+span several buckets a step, that are chunked across steps and batched beside other sequences'
+decode rows, and that V4.1 truncates (its consumer layers run a prompt's last 140 rows: the pieces
+past the YOCO boundary run fewer rows than the step has); with V4's drafter reading the residual
+streams the pieces give, and V4.1's DSpark the main keys they store.
 
 The pieces are traced, not code-generated, as the decode graphs of tests/system/test_compiled_decode.py
 (tests/support/compiled_models.py); benchmarks/compiled_prefill.py compiles them with Inductor and
@@ -15,11 +17,12 @@ import pytest
 
 from engine import LLMEngine, SamplingParams, compiled_prefill
 from engine.compiled_prefill import row_groups, token_buckets
-from tests.support.compiled_models import DRAFTING_MODELS, TRACED, compiling_through, write_three_layer_model
+from tests.support.compiled_models import DRAFTING_MODELS, MODELS, TRACED, compiling_through
 from tests.support.drafters import recording_drafts
 from tests.support.models import all_state_free, random_prompts
 
-LENGTHS = (3, 16, 23, 50, 130)  # under a bucket, one, two (padded), four a step, chunked over steps
+# under a bucket, one, two (padded), four a step, chunked over steps, past V4.1's truncation (140)
+LENGTHS = (3, 16, 23, 50, 130, 200)
 BUDGET = 64  # the engines' max_num_batched_tokens: a 130-token prompt is three steps
 
 pytestmark = pytest.mark.in_process
@@ -29,10 +32,11 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """The tiny V4 preset in three layers: HCA, CSA and sliding-window attention; hash and routed MoE."""
-    return LLMEngine.from_pretrained(write_three_layer_model(tmp_path_factory.mktemp("v4") / "model")).model
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request, tmp_path_factory):
+    """Each family's small model (tests/support/compiled_models.py): V4's three layers (HCA, CSA,
+    sliding window; hash and routed MoE), V4.1's four (Engram, ratio 2, the YOCO boundary, a consumer)."""
+    return LLMEngine.from_pretrained(MODELS[request.param](tmp_path_factory.mktemp(request.param) / "model")).model
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +88,12 @@ def test_prompts_prefilled_through_the_pieces_give_the_eager_tokens(model, promp
     assert all_state_free(engine)
 
 
-def test_the_drafter_reads_the_streams_the_pieces_give(tmp_path_factory, prompts, monkeypatch):
-    """V4's MTP module drafts from the residual streams of each step: through the pieces, it drafts
-    what it drafts from eager streams, draft for draft, and the tokens are the eager engine's."""
-    write, method = DRAFTING_MODELS["deepseek_v4"]
+@pytest.mark.parametrize("family", list(DRAFTING_MODELS))
+def test_the_drafter_reads_what_the_pieces_give(family, tmp_path_factory, prompts, monkeypatch):
+    """V4's MTP module drafts from the residual streams of each step, V4.1's DSpark from the main
+    keys each step stores from its target layers' features: through the pieces, each drafts what it
+    drafts from an eager step, draft for draft, and the tokens are the eager engine's."""
+    write, method = DRAFTING_MODELS[family]
     model = LLMEngine.from_pretrained(write(tmp_path_factory.mktemp(method) / "model")).model
     options = dict(speculative=method, speculative_tokens=2)
     eager = LLMEngine(model, max_num_batched_tokens=BUDGET, **options)
