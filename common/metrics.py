@@ -49,7 +49,7 @@ DECODE_GRAPHS = Gauge(
 )
 PREFILL_GRAPHS = Gauge(
     "deepmesh_prefill_graphs",
-    "Token buckets of the compiled prefill pieces (DeepSeek-V4): planned, and ready (a step whose "
+    "Token buckets of the compiled prefill pieces: planned, and ready (a step whose "
     "buckets are all ready runs compiled, the others eager while the rest compile in the background)",
     ["service", "state"],
 )
