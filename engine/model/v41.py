@@ -250,7 +250,9 @@ class Attention(AttentionProjections):
             index_w = self.indexer.weights_proj(x)
         return Projected(self.queries(q_residual, cos, sin), self.keys(x, cos, sin), index_q, index_w)
 
-    def attend(self, x: torch.Tensor, projected: Projected, step: StepInput, cache: StateCache, ctx: StepContext):
+    def attend(
+        self, x: torch.Tensor, projected: Projected, step: StepInput, cache: StateCache, ctx: StepContext
+    ) -> torch.Tensor:
         """The attention core [T, H, d]: compresses the layer's input rows `x` into its entries
         (a consumer layer's come from the shared hidden: see the model), writes the window's keys
         and attends, vectorised across sequences for decode, per sequence chunk for prefill."""
