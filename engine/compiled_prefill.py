@@ -359,7 +359,8 @@ class CompiledPrefillV41(CompiledPrefill):
                     real = len(index)
                     groups = row_groups(real, self.buckets) if real else []
                     length = sum(groups)
-                    streams, pre, rope, ngram_rows = _kept((streams, pre, rope, ngram_rows), index, length)
+                    # (every Engram layer comes before the boundary: V41Config refuses others)
+                    streams, pre, rope = _kept((streams, pre, rope), index, length)
             if i >= config.yoco_boundary and layer.attn.compressor is not None:
                 layer.attn.compress(shared_hidden, full, cache)  # YOCO: from every row of the step
             if not real:
