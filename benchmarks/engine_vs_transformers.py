@@ -161,7 +161,7 @@ def matmul_floor(model, batch: int, repeats: int = 5) -> float:
 
 def compiled_beside(eager: LLMEngine, options: dict) -> LLMEngine | None:
     """An engine over the eager one's model, compiled as served: its decode steps all run through
-    their compiled graphs and (DeepSeek-V4) its prefill steps through compiled pieces, compiled or
+    their compiled graphs and its prefill steps through compiled pieces, compiled or
     loaded from the Inductor cache before it returns; None where none compiles."""
     compiled = LLMEngine(eager.model, weights=eager.weights, compile_decode=True, compile_prefill=True, **options)
     if not compiled.wait_compiled():

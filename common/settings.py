@@ -31,8 +31,8 @@ class Settings(BaseSettings):
     # two cores), loaded from .cache/torchinductor after
     compile_decode: bool = True
     # prefill steps as compiled pieces around the eager attention cores (engine/compiled_prefill.py),
-    # compiled after the decode graphs, likewise behind (a DeepSeek-V4 model's prefill workers and
-    # `serve`); about 25 s a token bucket for the small preset on two cores the first time
+    # compiled after the decode graphs, likewise behind (prefill workers and `serve`); about 25 s a
+    # token bucket for the small preset on two cores the first time
     compile_prefill: bool = True
     # torch's intra-op threads in a process that runs an engine (serve, prefill, decode, encoder);
     # 0: one less than the process's cores (at least one), unless OMP_NUM_THREADS is set. A team of

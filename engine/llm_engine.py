@@ -83,7 +83,7 @@ class LLMEngine:
         or loaded from the disk cache on a background thread from here on: steps run eager until
         their batch's graph is ready (`wait_compiled` blocks until all are), and always where
         compiling is unavailable. `on_compile_progress(ready, planned)` hears of each graph ready.
-        `compile_prefill`: run every other step (DeepSeek-V4) as compiled pieces around its eager
+        `compile_prefill`: run every other step as compiled pieces around its eager
         attention cores (engine/compiled_prefill.py), compiled likewise, after the decode graphs.
         `speculative`: draft `speculative_tokens` tokens a step and verify them in the next
         (engine/speculation.py): "mtp" with V4's multi-token-prediction module, "dspark" with

@@ -21,8 +21,9 @@ from tests.support.compiled_models import DRAFTING_MODELS, MODELS, TRACED, compi
 from tests.support.drafters import recording_drafts
 from tests.support.models import all_state_free, random_prompts
 
-# under a bucket, one, two (padded), four a step, chunked over steps, past V4.1's truncation (140)
-LENGTHS = (3, 16, 23, 50, 130, 200)
+# under a bucket, one, two (padded), four a step, chunked over steps, and past V4.1's truncation
+# (its last 140 rows): the 260-token prompt's first step keeps none of its rows, its second 8
+LENGTHS = (3, 16, 23, 50, 130, 260)
 BUDGET = 64  # the engines' max_num_batched_tokens: a 130-token prompt is three steps
 
 pytestmark = pytest.mark.in_process
@@ -98,10 +99,11 @@ def test_the_drafter_reads_what_the_pieces_give(family, tmp_path_factory, prompt
     options = dict(speculative=method, speculative_tokens=2)
     eager = LLMEngine(model, max_num_batched_tokens=BUDGET, **options)
     eager_drafts = recording_drafts(eager)
-    expected = [eager.generate([prompt], greedy(16))[0].token_ids for prompt in prompts[2:4]]
+    batch = [prompts[2], prompts[5]]  # the second past V4.1's truncation: keys from its kept rows
+    expected = [eager.generate([prompt], greedy(16))[0].token_ids for prompt in batch]
     engine = compiled_engine(model, monkeypatch, **options)
     drafts = recording_drafts(engine)
-    outputs = [engine.generate([prompt], greedy(16))[0].token_ids for prompt in prompts[2:4]]
+    outputs = [engine.generate([prompt], greedy(16))[0].token_ids for prompt in batch]
     assert outputs == expected
     assert len(drafts) > 10 and [d for d, _ in drafts] == [d for d, _ in eager_drafts]
     assert engine.compiled_prefill.steps > 0 and engine.compiled_prefill.eager_pieces == 0
