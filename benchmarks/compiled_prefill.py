@@ -57,8 +57,12 @@ def step_of(engine: LLMEngine, lengths: list[int], generator: torch.Generator) -
     slots = [cache.allocate_slot() for _ in lengths]
     blocks = [[cache.block_allocator.allocate() for _ in range(cache.blocks_needed(n))] for n in lengths]
     tokens = torch.randint(0, engine.config.vocab_size, (sum(lengths),), generator=generator)
+    # each chunk a whole prompt: V4.1's consumer layers run its last `prefill_keep_tokens` rows, as the engine's do
+    keep = getattr(engine.config, "prefill_keep_tokens", 0)
+    keep_from = [max(0, n - keep) if keep else 0 for n in lengths]
     step = StepInput.of(
-        tokens, [SeqSlice(slot, 0, n, table) for slot, n, table in zip(slots, lengths, blocks, strict=True)]
+        tokens,
+        [SeqSlice(slot, 0, n, table, k) for slot, n, table, k in zip(slots, lengths, blocks, keep_from, strict=True)],
     )
     if n := getattr(engine.model, "ngram_context", 0):  # V4.1's Engram windows, each chunk from its start
         chunks = tokens.split(lengths)
