@@ -133,6 +133,11 @@ def _padded(rows: torch.Tensor, length: int) -> torch.Tensor:
     return padded
 
 
+def _rows_of(tensors: object, index: torch.Tensor | slice) -> object:
+    """The rows `index` of each tensor."""
+    return tree_map_only(torch.Tensor, lambda rows: rows[index], tensors)
+
+
 class CompiledPrefill(BucketGraphs):
     """Runs prefill steps (and decode steps no decode graph takes) through compiled pieces, once
     every bucket the step needs is ready (`is_ready`); the engine runs a step eager otherwise."""
@@ -182,8 +187,7 @@ class CompiledPrefill(BucketGraphs):
         streams, rope = self._rows(("embed", "model"), groups, self.model, input_ids, positions)
         for layer, kind in zip(self.model.model.layers, self._kinds, strict=True):
             post, comb, projected = self._rows(("before", kind), groups, layer, streams, positions, rope)
-            real_rows = tree_map_only(torch.Tensor, lambda rows: rows[:real], projected)
-            out = layer.self_attn.attend(real_rows, step, self.cache)
+            out = layer.self_attn.attend(_rows_of(projected, slice(real)), step, self.cache)
             out = _padded(out, length)
             streams = self._rows(("after", kind), groups, layer, streams, post, comb, out, rope, input_ids)
         hidden = self._rows(("head", "model"), groups, self.model, streams)
@@ -310,10 +314,6 @@ def layer_kind_v41(layer: DecoderLayerV41) -> str:
     attention = layer.attn
     engram = f"_engram{layer.layer}" if layer.engram is not None else ""
     return f"{attention.rope_type}_{'indexed' if attention.indexer is not None else 'plain'}{engram}"
-
-
-def _rows_of(tensors: object, index: torch.Tensor | slice) -> object:
-    return tree_map_only(torch.Tensor, lambda rows: rows[index], tensors)
 
 
 def _kept(tensors: object, index: torch.Tensor, length: int) -> object:

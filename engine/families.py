@@ -44,22 +44,14 @@ def read_config(path: str | Path, prefill_keep_tokens: int | None = None) -> Any
         raise UnsupportedCheckpointError(f"{config_file}: {err}") from None
 
 
-def model_class(config: AnyConfig) -> type[nn.Module]:
-    """The family's model class: what the engine compiles of it is on the class (`compiles_decode`,
-    `compiles_prefill`), readable before any weight loads."""
-    if isinstance(config, V41Config):
-        from engine.model.v41 import DeepseekV41ForCausalLM
-
-        return DeepseekV41ForCausalLM
-    from engine.model.v4 import DeepseekV4ForCausalLM
-
-    return DeepseekV4ForCausalLM
-
-
 def build_model(config: AnyConfig, path: str | Path | None = None, mtp_modules: int = 0) -> nn.Module:
     """The family's model for a config, its weights unset (build it on the meta device to load them).
     V4.1's Engram hashes with the checkpoint's tokenizer.json, in `path`."""
     if isinstance(config, V41Config):
+        from engine.model.v41 import DeepseekV41ForCausalLM
+
         tokenizer = Path(path) / "tokenizer.json" if path is not None else None
-        return model_class(config)(config, tokenizer, mtp_modules if config.has_dspark else 0)
-    return model_class(config)(config, mtp_modules)
+        return DeepseekV41ForCausalLM(config, tokenizer, mtp_modules if config.has_dspark else 0)
+    from engine.model.v4 import DeepseekV4ForCausalLM
+
+    return DeepseekV4ForCausalLM(config, mtp_modules)

@@ -67,9 +67,7 @@ class ModelRunner:
             else None
         )
         self.compiled_prefill = (
-            CompiledPrefill.create_for(model, cache, max_num_batched_tokens)
-            if compile_prefill and model.compiles_prefill
-            else None
+            CompiledPrefill.create_for(model, cache, max_num_batched_tokens) if compile_prefill else None
         )
 
     # -- a scheduled step -----------------------------------------------------------------------

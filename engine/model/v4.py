@@ -805,7 +805,6 @@ FP32_PARAMETER_SUFFIXES = (
 class DeepseekV4ForCausalLM(nn.Module):
     fp32_parameter_suffixes = FP32_PARAMETER_SUFFIXES
     compiles_decode = True  # engine/compiled_decode.py builds its decode step
-    compiles_prefill = True  # engine/compiled_prefill.py compiles all of it but the attention core
 
     def __init__(self, config: ModelConfig, mtp_modules: int = 0):
         super().__init__()
