@@ -31,8 +31,9 @@ conversation so far, so a turn's prefix is the previous turn's prompt and answer
 
 Policies: hashing (a job's partition by its id, as Kafka's partitioner places it with no router),
 session hashing (a conversation always to the same replica), round-robin, least-loaded (queued
-tokens, blind to prefixes) and deepmesh's router. For each replica count, the rate at which
-hashing's P90 TTFT is 2 s is found by bisection, and every policy is run at it.
+tokens, blind to prefixes) and deepmesh's router; besides, a reference no router can be (one
+central queue: CENTRAL_QUEUE). For each replica count, the rate at which hashing's P90 TTFT is
+2 s is found by bisection, and every policy is run at it.
 
 Measured per run: TTFT P50/P90/P99, the per-second imbalance of prefill work (max / mean of the
 time each replica spent computing in that second, over the seconds the replicas were at least
@@ -68,6 +69,11 @@ from gateway.admission import BYTES_PER_TOKEN, Admission
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("hashing", "session_hashing", "round_robin", "least_loaded", "deepmesh")
+# Not a policy a router can run: one queue for every replica, seen as it is (no report's lag), each
+# job handed to a replica once its engine's next step has room for more (Simulation.dispatch says
+# which). Work-conserving: no engine idles while a job waits. The reference the imbalance target
+# is read against.
+CENTRAL_QUEUE = "central_queue"
 TENANT = "default"
 ANCHOR_INTERVAL = 1024  # common/settings.py cache_anchor_interval
 
@@ -306,6 +312,7 @@ class Simulation:
         self.replicas = [SimReplica(self, i) for i in range(replicas)]
         self.decoders = [SimDecoder(self) for _ in range(costs.decode_replicas)]
         self.jobs: list[Job] = []
+        self.central: deque[Job] = deque()  # CENTRAL_QUEUE's one queue
         self.refused = 0  # calls admission control answered with a 429
         self.open_sessions = 0  # sessions arrived or to arrive, not yet at their last answer
         self.cutoff = cutoff
@@ -352,6 +359,10 @@ class Simulation:
             first_try or self.clock.now,
         )
         self.jobs.append(job)
+        if self.policy.name == CENTRAL_QUEUE:
+            self.central.append(job)
+            self.dispatch()
+            return
         replica, route = self.route(job)
         self.policy.router.sent(route, (replica.index, replica.produced))  # a route to no replica counts nothing
         replica.produced += 1
@@ -363,6 +374,20 @@ class Simulation:
             return next(r for r in self.replicas if r.name == route.replica), route
         key = f"s{job.session.index}" if self.policy.name == "session_hashing" else job.job_id
         return self.replicas[zlib.crc32(key.encode()) % len(self.replicas)], route
+
+    def dispatch(self) -> None:
+        """CENTRAL_QUEUE: the jobs waiting, first come first served, each to a replica whose next
+        engine step has room: the one holding the fewest tokens to compute, then the one that has
+        computed least in this second (what the imbalance measures), then the one holding the
+        longest prefix of its prompt in tier 0."""
+        second = math.floor(self.clock.now)
+        while self.central and (ready := [r for r in self.replicas if r.has_room]):
+            job = self.central.popleft()
+            hashed = PromptKeys(TENANT, job.prompt)
+            own = {r.index: r.tier0.longest(hashed, job.length - 1)[0] for r in ready}
+            replica = min(ready, key=lambda r: (r.held, r.busy_since(second), -own[r.index], r.index))
+            replica.assigned += 1
+            self.after(self.costs.hop_seconds, lambda replica=replica, job=job: replica.take(job))
 
     def first_token(self, job: Job, replica: SimReplica) -> None:
         job.ttft = self.clock.now + self.costs.hop_seconds - job.sent
@@ -397,6 +422,7 @@ class SimReplica:
         self.sim, self.index, self.name = sim, index, f"prefill-{index:02d}"
         self.costs = sim.costs
         self.produced = 0  # offsets sent to its partition
+        self.assigned = 0  # CENTRAL_QUEUE: jobs handed to it, on their way
         self.consumed = 0  # offsets it has taken in
         self.loading: list[Job] = []
         self.waiting: deque[Job] = deque()  # prefix in place, computing first come first served
@@ -407,8 +433,28 @@ class SimReplica:
         self.speed = 0.0  # measured, as the worker's moving averages: what it reports
         self.load_speed = 0.0
 
+    @property
+    def held(self) -> int:
+        """Prompt tokens its engine has yet to compute (a job loading its prefix holds none yet)."""
+        return sum(job.remaining for job in self.waiting)
+
+    def busy_since(self, start: float) -> float:
+        """Seconds its engine computed from `start` until now, in steps that have ended."""
+        total = 0.0
+        for begun, ended in reversed(self.busy):
+            if ended <= start:
+                break
+            total += ended - max(begun, start)
+        return total
+
+    @property
+    def has_room(self) -> bool:
+        """CENTRAL_QUEUE: its engine's next step could take more prompt tokens than it holds."""
+        return self.alive and not self.assigned and self.held < self.costs.step_tokens
+
     def take(self, job: Job) -> None:
         self.consumed += 1
+        self.assigned = max(0, self.assigned - 1)
         job.replica = self
         prompt = job.prompt
         hashed = PromptKeys(TENANT, prompt)
@@ -440,6 +486,7 @@ class SimReplica:
             self.step()
 
     def step(self) -> None:
+        self.sim.dispatch()
         budget, chunks = self.costs.step_tokens, []
         for job in self.waiting:
             if budget <= 0:
@@ -590,7 +637,7 @@ def measured(sim: Simulation, policy: str, rate: float, window: tuple[float, flo
         "t2_tokens": tokens["t2"],
         "computed_tokens": computed,
         "refused_calls": sim.refused,
-        "decision_p99_ms": percentile(sim.policy.decision_seconds, 99) * 1e3,
+        "decision_p99_ms": None if (p99 := percentile(sim.policy.decision_seconds, 99)) is None else p99 * 1e3,
         "itl_p50": percentile(
             [
                 (j.answered_at - j.sent - j.ttft) / (j.output_tokens - 1)
@@ -653,10 +700,13 @@ def plot(results: list[dict], path: Path) -> None:
     counts = sorted({r["replicas"] for r in results})
     at = range(len(counts))  # evenly spaced, whatever the counts
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for policy in POLICIES:
+    for policy in (*POLICIES, CENTRAL_QUEUE):
         rows = {r["replicas"]: r for r in results if r["policy"] == policy}
-        axes[0].plot(at, [rows[n]["ttft_p90"] for n in counts], marker="o", label=policy)
-        axes[1].plot(at, [rows[n]["imbalance_p95"] or float("nan") for n in counts], marker="o", label=policy)
+        if len(rows) < len(counts):
+            continue
+        style = {"marker": "o", "label": policy, "linestyle": "--" if policy == CENTRAL_QUEUE else "-"}
+        axes[0].plot(at, [rows[n]["ttft_p90"] for n in counts], **style)
+        axes[1].plot(at, [rows[n]["imbalance_p95"] or float("nan") for n in counts], **style)
     axes[0].set(xticks=at, xticklabels=counts, xlabel="prefill replicas", ylabel="P90 TTFT (s)")
     axes[1].set(xticks=at, xticklabels=counts, xlabel="prefill replicas", ylabel="imbalance P95 (per second)")
     axes[0].set_title("at the load where hashing's P90 is 2 s")
@@ -673,13 +723,18 @@ def table(results: list[dict]) -> str:
     ]
     for r in results:
         served = " / ".join(f"{r[k] / 1e6:.1f}" for k in ("tier0_tokens", "t1_tokens", "t2_tokens", "computed_tokens"))
-        imbalance = " / ".join(f"{r[k]:.2f}" if r[k] else "-" for k in ("imbalance_p95", "imbalance_p95_10s"))
+        imbalance = imbalances(r)
         lines.append(
             f"| {r['replicas']} | {r['rate']:.2f} | {r['policy']} | {r['jobs']:,} | {r['ttft_p50']:.2f} s"
             f" | {r['ttft_p90']:.2f} s | {r['ttft_p99']:.2f} s | {imbalance} | {r['busy_share']:.0%} | {served}"
-            f" | {r['decision_p99_ms']:.2f} ms |"
+            f" | {'-' if r['decision_p99_ms'] is None else format(r['decision_p99_ms'], '.2f') + ' ms'} |"
         )
     return "\n".join(lines)
+
+
+def imbalances(run: dict) -> str:
+    """Its imbalance P95 per second and per 10 s ("-": never half busy)."""
+    return " / ".join(f"{run[k]:.2f}" if run[k] else "-" for k in ("imbalance_p95", "imbalance_p95_10s"))
 
 
 def targets(results: list[dict]) -> str:
@@ -688,11 +743,17 @@ def targets(results: list[dict]) -> str:
         runs = {r["policy"]: r for r in results if r["replicas"] == n}
         ours, hashing = runs["deepmesh"], runs["hashing"]
         ratios = ", ".join(f"{p} {ours['ttft_p90'] / runs[p]['ttft_p90']:.2f}x" for p in POLICIES if p != "deepmesh")
-        imbalance = " / ".join(f"{ours[k]:.2f}" if ours[k] else "-" for k in ("imbalance_p95", "imbalance_p95_10s"))
+        imbalance = imbalances(ours)
         lines.append(
             f"  {n} replicas: P90 TTFT {ours['ttft_p90']:.2f} s against hashing's {hashing['ttft_p90']:.2f} s"
             f" ({ratios}); imbalance P95 over 1 s / 10 s {imbalance}"
         )
+        if central := runs.get(CENTRAL_QUEUE):
+            lines.append(
+                f"    one central queue, work-conserving: imbalance {imbalances(central)},"
+                f" P90 TTFT {central['ttft_p90']:.2f} s"
+                f" (the router's {ours['ttft_p90'] / central['ttft_p90']:.2f}x)"
+            )
     return "\n".join(lines)
 
 
@@ -720,7 +781,7 @@ def main() -> None:
         trace = agentic_trace(args.seed, count=int(n * 8 * args.seconds))
         print(f"{n} replicas: finding the load where hashing's P90 TTFT is {args.target_p90:g} s", flush=True)
         rate = hashing_rate(trace, n, args.seconds, costs, args.target_p90, args.bisect_steps)
-        for policy in POLICIES:
+        for policy in (*POLICIES, CENTRAL_QUEUE):
             started = time.perf_counter()
             result = simulate(trace, n, rate, policy, args.seconds, costs, args.seed)
             results.append(result)

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from benchmarks.routing_sim import (
+    CENTRAL_QUEUE,
     POLICIES,
     Costs,
     Session,
@@ -86,6 +87,37 @@ def test_on_one_replica_every_policy_gives_the_same_times():
             runs[0]["ttft_p99"],
             runs[0]["computed_tokens"],
         )
+
+
+def test_the_central_queue_hands_a_job_to_a_replica_whose_next_step_has_room():
+    """Three prompts at once on two replicas of 512-token steps: the first two go out at once; the
+    third waits in the one queue until a replica holds less than a step, which the one computing
+    the 200-token prompt does (the other holds 1,000 tokens), and is its next step."""
+    sim = Simulation(2, COSTS, CENTRAL_QUEUE, seed=0, admission_wait=30.0)
+    systems = [system_prompt(i, 100) for i in range(3)]  # none shares a prefix with another
+    for index, tokens in enumerate((900, 100, 200)):
+        sim.arrive(Session(index, [Turn(index, tokens, 2, 1.0)], systems), at=1.0)
+    sim.run(horizon=100.0)
+    long, short, third = sorted(sim.jobs, key=lambda job: job.session.index)
+    assert long.replica is not short.replica and third.replica is short.replica
+    assert short.ttft == pytest.approx(2 * COSTS.hop_seconds + 0.01 + 0.2)  # 200 tokens, one step
+    assert third.ttft == pytest.approx(short.ttft + 0.01 + 0.3)  # the step after, 300 tokens
+    assert long.ttft == pytest.approx(2 * COSTS.hop_seconds + (0.01 + 0.512) + (0.01 + 0.488))
+    assert not sim.central
+
+
+def test_of_the_replicas_with_room_the_central_queue_picks_the_one_holding_fewest_tokens():
+    """400 and 100 tokens at once on two replicas; 200 more while both compute, both with room in
+    their next step: they go to the replica holding 100, and are its next step."""
+    sim = Simulation(2, COSTS, CENTRAL_QUEUE, seed=0, admission_wait=30.0)
+    systems = [system_prompt(i, 50) for i in range(3)]
+    for index, (tokens, at) in enumerate(((350, 1.0), (50, 1.0), (150, 1.05))):
+        sim.arrive(Session(index, [Turn(index, tokens, 2, 1.0)], systems), at=at)
+    sim.run(horizon=100.0)
+    larger, smaller, later = sorted(sim.jobs, key=lambda job: job.session.index)
+    assert larger.replica is not smaller.replica and later.replica is smaller.replica
+    hop = COSTS.hop_seconds
+    assert later.ttft == pytest.approx((1.0 + hop + 0.01 + 0.1) + (0.01 + 0.2) + hop - 1.05)
 
 
 def test_admission_refuses_past_its_wait_and_every_refused_turn_is_answered_after_its_retry():
