@@ -60,7 +60,6 @@ class ModelRunner:
         self.keep_tokens = getattr(model.config, "prefill_keep_tokens", 0)
         self.ngram_context = getattr(model, "ngram_context", 0)
         self.with_streams = with_streams  # the V4 drafter's input: rows' residual streams too
-        compile_decode = compile_decode and model.compiles_decode
         self.compiled_decode = (
             CompiledDecode.create(model, cache, max_num_seqs, on_compile_progress, with_streams, dspark_block)
             if compile_decode

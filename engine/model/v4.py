@@ -804,7 +804,6 @@ FP32_PARAMETER_SUFFIXES = (
 
 class DeepseekV4ForCausalLM(nn.Module):
     fp32_parameter_suffixes = FP32_PARAMETER_SUFFIXES
-    compiles_decode = True  # engine/compiled_decode.py builds its decode step
 
     def __init__(self, config: ModelConfig, mtp_modules: int = 0):
         super().__init__()

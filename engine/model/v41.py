@@ -578,7 +578,6 @@ def kept_rows(step: StepInput) -> tuple[StepInput, torch.Tensor] | None:
 class DeepseekV41ForCausalLM(nn.Module):
     # parameters that stay in fp32 whatever the checkpoint dtype
     fp32_parameter_suffixes = ("_fn", "_base", "_scale", "attn_sink", "gate.bias", "gate.bias_vl", "norm.weight")
-    compiles_decode = True  # engine/compiled_decode.py builds its decode step (Engram windows as an input)
 
     def __init__(self, config: V41Config, tokenizer_file: str | None = None, draft_stages: int = 0):
         """`draft_stages`: build the checkpoint's DSpark stages (`mtp.*`, engine/model/dspark.py)."""
