@@ -689,6 +689,15 @@ class GatewayBehaviour(SDKClients):
         assert batch["usage"]["prompt_tokens"] == 2 * len(context) + 1 + len(continuation)
         assert reply["choices"][0]["text"].startswith("".join(logprobs["tokens"][:-1]))
 
+        # an answer past its first token: the prompt's logprobs go out with the first token (the
+        # job's state leaves the engine before that pass), the rest comes from decode
+        longer = oai.completions.create(
+            **{**payload, "max_tokens": 3}, logprobs=1, echo=True, extra_body={"ignore_eos": True}
+        )
+        longer_logprobs = longer.model_dump()["choices"][0]["logprobs"]
+        assert longer.usage.completion_tokens == 3 and len(longer_logprobs["tokens"]) == len(context + continuation) + 3
+        assert longer_logprobs["token_logprobs"][: ctxlen + len(continuation)] == logprobs["token_logprobs"][:-1]
+
     def test_completions_refuse_what_they_cannot_do(self, service, oai):
         for options, status, words in [
             ({"n": 2}, 400, "n is not supported"),
