@@ -1,17 +1,20 @@
 """Where a served request's time to first token goes, hop by hop, read from its OTel spans.
 
-N streamed chat requests, one at a time, through the gateway (the OpenAI SDK over HTTP) on the
-embedded mesh and, with --distributed, on every service as its own process over Kafka. Every
-service writes its spans to one JSON-lines file (DEEPMESH_TRACE_EXPORTER=jsonl); for each
-request the script lines its spans up and splits the time from the gateway receiving the
-request to decode sending the first token into the hops between them:
+N streamed chat requests, one at a time, from a client process of its own (as a served mesh's
+clients are), through the gateway (the OpenAI SDK over HTTP) on the embedded mesh and, with
+--distributed, on every service as its own process over Kafka. Every service writes its spans
+to one JSON-lines file (DEEPMESH_TRACE_EXPORTER=jsonl); for each request the script lines its
+spans up and splits the time from the gateway receiving the request to decode sending the
+first token into the hops between them:
 
   gateway in       the HTTP request's span starts -> the request is produced to `requests`
   to tokenizer     produced -> the tokenizer takes it (the bus)
   tokenizer        deepseek-recipe's conversion and encoding
   to prefill       the prompt produced to `prefill` -> prefill takes it (the bus; `encode` between
                    them for a request with images)
-  prefill queue    prefill takes it -> its prefix lookup ends (the fetch thread, the engine's turn)
+  fetch hand-off   prefill takes it -> its prefix lookup starts on a fetch thread (waking that
+                   thread, and the interpreter lock while the process's other threads hold it)
+  prefix lookup    the lookup in the KV cache (the cache service's HTTP API when distributed)
   prefill          the lookup's end -> prefill sends the first token (the engine computes the prompt)
   result path      the first token sent -> the client reads the first chunk (tokenizer's output
                    conversion, results, the gateway's stream), from the client's clock
@@ -40,11 +43,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,7 +64,8 @@ HOPS = (
     "to tokenizer",
     "tokenizer",
     "to prefill",
-    "prefill queue",
+    "fetch hand-off",
+    "prefix lookup",
     "prefill",
     "result path",
 )
@@ -134,6 +140,7 @@ def hops(trace: list[dict], client_ttft: float) -> dict[str, float] | None:
         tokenizer["start_ns"],
         sent_prefill["start_ns"],
         prefill["start_ns"],
+        lookup["start_ns"],
         lookup["end_ns"],
         first_token["end_ns"],
     ]
@@ -216,6 +223,18 @@ def served_ttft(url: str, prompts: list[list[int]]) -> list[float]:
     return times[1:]
 
 
+def client_side(
+    url: str, prompts: dict[int, list[list[int]]], requests: int, words: int
+) -> tuple[dict[int, list[float]], list[tuple[float, float]]]:
+    """What the clients measure, run in a process of their own as a served mesh's clients are (in
+    the mesh's process, their threads would hold its interpreter lock): the token ids through
+    /v1/completions, then the chat requests through the OpenAI SDK (sent times and TTFTs)."""
+    served = {length: served_ttft(url, batch) for length, batch in prompts.items()}
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
+    first_chunk(client, -1, words)  # warm
+    return served, [first_chunk(client, i, words) for i in range(requests)]
+
+
 def print_added(mode: str, alone: dict[int, list[float]], served: dict[int, list[float]], threads: int) -> None:
     print(f"\n{mode}: TTFT of the same token ids, served (/v1/completions, max_tokens 1) and the engine alone")
     print(f"(the engine alone in this process on {threads} torch thread(s), as the served prefill)")
@@ -236,11 +255,9 @@ def run(mode: str, model: Path, requests: int, words: int, lengths: list[int], v
     alone = {length: alone_ttft(model, prompts[length], threads) for length in lengths}
     with tempfile.TemporaryDirectory() as scratch:
         traces = Path(scratch) / "traces.jsonl"
-        with serve(model, traces) as url:
-            served = {length: served_ttft(url, prompts[length]) for length in lengths}
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
-            first_chunk(client, -1, words)  # warm
-            measured = [first_chunk(client, i, words) for i in range(requests)]
+        spawn = multiprocessing.get_context("spawn")
+        with serve(model, traces) as url, ProcessPoolExecutor(1, mp_context=spawn) as clients:
+            served, measured = clients.submit(client_side, url, prompts, requests, words).result()
             time.sleep(1.0)  # the last spans written
         jobs = spans_by_job(traces)
         rows = []
