@@ -18,7 +18,7 @@ from common.bus import Bus, KafkaBus, MemoryBus
 from common.messages import DeadLetter, Envelope, PrefillPayload, ResultPayload, Sampling, WarmPayload, decode
 from common.topics import Topic, all_topic_names, topic_name
 from deepmesh.mesh import Mesh
-from engine import LLMEngine
+from engine import LLMEngine, StateSnapshot
 from prefill_svc import worker as prefill_worker
 from prefill_svc.worker import PrefillWorker
 from tests.support.infra import require_service, scratch_store
@@ -207,12 +207,12 @@ class SlowHandOvers:
         return getattr(self.store, name)
 
 
-def slow_exports(engine, seconds: float) -> None:
+def slow_exports(engine: LLMEngine, seconds: float) -> None:
     """The engine's copies of a request's state out of it take `seconds` (a long prompt's gigabytes
     of state: a fault this test cannot make for real with a tiny model); the copies are the real ones."""
     export = engine.export_state
 
-    def slow_export(request_id: str):
+    def slow_export(request_id: str) -> StateSnapshot:
         time.sleep(seconds)
         return export(request_id)
 
