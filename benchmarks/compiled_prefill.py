@@ -135,19 +135,33 @@ def compare_ttft(eager: LLMEngine, compiled: LLMEngine, lengths: list[int], roun
         print(f"{length:>6} | {eager_ms:>13.1f} | {compiled_ms:>11.1f} | {eager_ms / compiled_ms:>6.2f}x | {same}")
 
 
-def main() -> None:
+def step_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments of a script that times prefill steps: the checkpoint, the lengths, the rounds."""
     from engine_vs_transformers import CONFIGS  # the same two checkpoints as make bench
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--preset", help="a `deepmesh make-model` preset instead of --config (small-v41)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--bound", action="store_true", help="also the whole forward compiled for each exact step")
-    args = parser.parse_args()
+    return parser
+
+
+def checkpoint_of(args: argparse.Namespace) -> Path:
+    """The checkpoint `--config` or `--preset` names, made under .cache/models if missing."""
+    from engine_vs_transformers import CONFIGS
+
     path = ROOT / ".cache/models" / (args.preset or args.config)
     if not (path / "config.json").is_file():
         make_model(path, args.preset, seed=0) if args.preset else write_checkpoint(path, CONFIGS[args.config], seed=0)
+    return path
+
+
+def main() -> None:
+    parser = step_arguments(__doc__)
+    parser.add_argument("--bound", action="store_true", help="also the whole forward compiled for each exact step")
+    args = parser.parse_args()
+    path = checkpoint_of(args)
     budget = max(args.lengths)
     eager = LLMEngine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=budget)
     compiled = LLMEngine(

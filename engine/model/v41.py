@@ -152,8 +152,8 @@ class Indexer(nn.Module):
     @staticmethod
     def scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """q [..., H, dI], keys [..., n, dI], weights [..., H] -> [..., n] (fp32)."""
-        raw = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)))
-        return (raw * weights.float().unsqueeze(-1)).sum(dim=-2)
+        raw = torch.matmul(q.float(), keys.float().transpose(-1, -2))
+        return raw.relu_().mul_(weights.float().unsqueeze(-1)).sum(dim=-2)  # in place: as V4's Indexer.scores
 
 
 def candidate_mask(scores: torch.Tensor, counts: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:

@@ -161,8 +161,8 @@ def test_serve_answers_while_its_decode_graphs_compile_and_cache_stats_reads_its
         )
         # one graph per batch bucket up to 64 sequences, compiling from scratch: not all ready yet
         assert graphs["planned"] == 7 and graphs["ready"] < graphs["planned"]
-        # the prefill pieces' token buckets, 16 to 512, compile once the decode graphs are done
-        assert pieces == {"ready": 0, "planned": 6}
+        # the prefill pieces' token buckets, 16 to 1,024 (the default step), compile once the decode graphs are done
+        assert pieces == {"ready": 0, "planned": 7}
         shown = deepmesh("cache", "stats", "--url", url)
         assert shown.returncode == 0, shown.stderr
         assert "memory" in shown.stdout and "anchors" in shown.stdout and "blocks" in shown.stdout

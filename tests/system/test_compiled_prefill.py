@@ -56,18 +56,19 @@ def compiled_engine(model, monkeypatch: pytest.MonkeyPatch, **options) -> LLMEng
 
 
 def test_token_buckets_and_the_groups_a_step_runs_as():
-    assert token_buckets(1024) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 512, 1024]  # the engine's default step: one bucket
+    assert token_buckets(4096) == [16, 32, 64, 128, 256, 512, 1024]
     assert token_buckets(40) == [16, 32, 64]
     assert token_buckets(8) == [16]
-    buckets = token_buckets(1024)
+    buckets = token_buckets(4096)
     assert row_groups(1, buckets) == [16]
     assert row_groups(300, buckets) == [512]  # one bucket where one holds the step
-    assert row_groups(1100, buckets) == [512, 512, 64, 16]  # 12 padding rows
-    assert row_groups(1024, buckets) == [512, 512]
-    for tokens in range(1, 3000, 7):
+    assert row_groups(1024, buckets) == [1024]
+    assert row_groups(2100, buckets) == [1024, 1024, 32, 16, 16]  # 12 padding rows
+    for tokens in range(1, 5000, 7):
         groups = row_groups(tokens, buckets)
         assert sum(groups) >= tokens and all(size in buckets for size in groups)
-        assert tokens <= 512 or sum(groups) - tokens < 16
+        assert tokens <= 1024 or sum(groups) - tokens < 16
 
 
 def test_prompts_prefilled_through_the_pieces_give_the_eager_tokens(model, prompts, monkeypatch):

@@ -110,3 +110,30 @@ def test_a_long_chunks_attention_in_tiles_is_the_whole_chunks(start, length, win
     tiled = prefill_attention(backend, q, keys, bias, sinks, 0.25, window_keys, window)
     assert tiled.shape == whole.shape == (length, heads, dim)
     torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("queries", [1, 2, 37, 256])  # a decode row (unfused), then prompt chunks (fused)
+def test_attention_is_a_softmax_over_the_keys_and_the_sink(queries):
+    """TorchBackend.attention against the definition computed in float64: each head's softmax over
+    its logits and its sink logit (a concatenated column), the sink's column without a value. Rows
+    with masked keys, one row with every key masked (it attends to the sink alone: zero), a batch
+    of two."""
+    generator = torch.Generator().manual_seed(queries)
+    batch, heads, dim, n_keys = 2, 4, 32, 70
+    q = torch.randn(batch, heads, queries, dim, generator=generator) * 3
+    keys = torch.randn(batch, n_keys, dim, generator=generator)
+    bias = torch.zeros(batch, queries, n_keys).masked_fill_(
+        torch.rand(batch, queries, n_keys, generator=generator) < 0.4, float("-inf")
+    )
+    bias[1, queries // 2] = float("-inf")
+    sinks, scaling = torch.randn(heads, generator=generator), dim**-0.5
+
+    logits = (q.double() * scaling) @ keys.double().unsqueeze(1).transpose(-1, -2) + bias.double().unsqueeze(1)
+    with_sink = torch.cat([logits, sinks.double().view(1, heads, 1, 1).expand(batch, heads, queries, 1)], dim=-1)
+    probs = torch.softmax(with_sink, dim=-1)[..., :n_keys]
+    expected = (probs @ keys.double().unsqueeze(1)).transpose(1, 2)  # [B, S, H, d]
+
+    out = TorchBackend.attention(q, keys, bias, sinks, scaling)
+    assert out.shape == (batch, queries, heads, dim)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+    assert out[1, queries // 2].abs().max() == 0
