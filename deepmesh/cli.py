@@ -730,12 +730,12 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     prompt = text_prompt_ids(args.model, args.prompt)
+    params = SamplingParams(  # checked before the model loads: a bad value is refused at once
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
     compile_decode = _compile_decode(args, Settings())
     engine = LLMEngine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, compile_decode=compile_decode
-    )
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
     engine.add_request("cli", prompt, params)
     tokens: list[int] = []
