@@ -46,6 +46,7 @@ from engine.model.v4 import (
     expand_and_mix,
     gather_entries,
     hc_mixes,
+    index_scores,
     prefill_attention,
     prefill_window_keys,
     routing_weights,
@@ -148,12 +149,6 @@ class Indexer(nn.Module):
     def queries(self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(q_residual).view(q_residual.shape[0], self.num_heads, self.dim)
         return apply_rope_(q, cos.unsqueeze(1), sin.unsqueeze(1))
-
-    @staticmethod
-    def scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """q [..., H, dI], keys [..., n, dI], weights [..., H] -> [..., n] (fp32)."""
-        raw = torch.matmul(q.float(), keys.float().transpose(-1, -2))
-        return raw.relu_().mul_(weights.float().unsqueeze(-1)).sum(dim=-2)  # in place: as V4's Indexer.scores
 
 
 def candidate_mask(scores: torch.Tensor, counts: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:
@@ -349,7 +344,7 @@ class Attention(AttentionProjections):
             scores = None
             if self.indexer is not None:
                 index_keys = gather_entries(cache.indexers[self.kv_source], table, count)
-                scores = Indexer.scores(index_q, index_keys.unsqueeze(0), index_w).masked_fill(~visible, NEG_INF)
+                scores = index_scores(index_q, index_keys, index_w).masked_fill(~visible, NEG_INF)
             keys, bias = with_entries(keys, bias, entries, self._select(scores, visible, counts, key, ctx) & visible)
 
         out = prefill_attention(self.backend, q, keys, bias, self.attn_sink, self.scaling, window_keys, self.window)
@@ -376,7 +371,7 @@ class Attention(AttentionProjections):
             scores = None
             if self.indexer is not None:
                 index_keys = cache.indexers[self.kv_source].entries[step.block_tables].flatten(1, 2)
-                scores = Indexer.scores(index_q, index_keys, index_w).masked_fill(~visible, NEG_INF)
+                scores = index_scores(index_q, index_keys, index_w).masked_fill(~visible, NEG_INF)
             keys, bias = with_entries(keys, bias, entries, self._select(scores, visible, counts, 0, ctx) & visible)
         out = self.backend.attention(q.unsqueeze(2), keys, bias.unsqueeze(1), self.attn_sink, self.scaling)
         return out.squeeze(1)

@@ -137,3 +137,29 @@ def test_attention_is_a_softmax_over_the_keys_and_the_sink(queries):
     assert out.shape == (batch, queries, heads, dim)
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
     assert out[1, queries // 2].abs().max() == 0
+
+
+def test_a_chunks_index_scores_a_slice_of_queries_at_a_time_are_those_all_at_once(monkeypatch):
+    """index_scores holds at most SCORE_BATCH [query, head, entry] products of a prompt chunk: its
+    queries go in slices, each row's scores bitwise those of the chunk all at once."""
+    from engine.model import v4
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(300, 8, 32, generator=generator)
+    keys, weights = torch.randn(75, 32, generator=generator), torch.randn(300, 8, generator=generator)
+    whole = v4.index_scores(q, keys, weights, 0.25)
+    monkeypatch.setattr(v4, "SCORE_BATCH", 8 * 75 * 7)  # slices of 7 rows, the last of 6
+    assert torch.equal(v4.index_scores(q, keys, weights, 0.25), whole)
+
+
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_a_prompt_is_scored_the_same_with_its_indexer_in_slices(family, tiny_preset, tiny_v41_preset, monkeypatch):
+    """A 300-token prompt's logprobs (query tiles, compressed entries, an indexer's top-k) with the
+    indexer's queries in slices of a few rows: bitwise those computed all at once, on both families."""
+    from engine.model import v4
+
+    engine = LLMEngine.from_pretrained(tiny_preset if family == "v4" else tiny_v41_preset)
+    prompt = random_prompts([300], seed=4)[0]
+    whole = engine.prompt_logprobs(prompt, 2)
+    monkeypatch.setattr(v4, "SCORE_BATCH", 5000)
+    assert engine.prompt_logprobs(prompt, 2) == whole
