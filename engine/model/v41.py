@@ -131,8 +131,9 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Scores compressed entries for each query: sum over heads of relu(q_h . k) * w_h, with the
-    head weights w from the layer input. Index keys (`wk`, `k_norm`) exist on index-key sources."""
+    """Scores compressed entries for each query: sum over heads of relu(q_h . k) * w_h
+    (`index_scores`), with the head weights w from the layer input. Index keys (`wk`, `k_norm`)
+    exist on index-key sources."""
 
     def __init__(self, config: V41Config, owns_keys: bool):
         super().__init__()
