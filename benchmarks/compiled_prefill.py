@@ -77,14 +77,19 @@ def step_of(engine: LLMEngine, lengths: list[int], generator: torch.Generator) -
     return step, free
 
 
+def step_cases(lengths: list[int]) -> list[tuple[str, list[int]]]:
+    """The steps timed, labelled: one sequence's first chunk of each length, then four sequences'
+    at once (a quarter of the tokens each) for lengths of 64 and more."""
+    return [(f"{n}", [n]) for n in lengths] + [(f"4 x {n // 4}", [n // 4] * 4) for n in lengths if n >= 64]
+
+
 def compare_steps(engine: LLMEngine, lengths: list[int], rounds: int, bound: bool) -> None:
     model, cache, pieces = engine.model, engine.cache, engine.compiled_prefill
     generator = torch.Generator().manual_seed(0)
     header = f"{'step':>10} | {'eager ms':>8} | {'pieces ms':>9} | {'x eager':>7} | {'tok/s eager':>11}"
     header += f" | {'tok/s pieces':>12}"
     print(header + (f" | {'bound ms':>8} | {'x eager':>7}" if bound else "") + " | max diff | rows > 1e-3")
-    cases = [[n] for n in lengths] + [[n // 4] * 4 for n in lengths if n >= 64]
-    for case in cases:
+    for label, case in step_cases(lengths):
         step, free = step_of(engine, case, generator)
         with torch.inference_mode():
             eager_rows = model(step, cache)
@@ -97,7 +102,6 @@ def compare_steps(engine: LLMEngine, lengths: list[int], rounds: int, bound: boo
             ms = {name: seconds * 1e3 for name, seconds in medians(runs, rounds).items()}
         free()
         tokens = sum(case)
-        label = f"{tokens}" if len(case) == 1 else f"4 x {case[0]}"
         line = f"{label:>10} | {ms['eager']:>8.1f} | {ms['pieces']:>9.1f} | {ms['eager'] / ms['pieces']:>6.2f}x"
         line += f" | {tokens / ms['eager'] * 1e3:>11.0f} | {tokens / ms['pieces'] * 1e3:>12.0f}"
         if bound:

@@ -13,7 +13,7 @@ one sequence's first chunk of each `--lengths`, then four sequences' at once (a 
 from __future__ import annotations
 
 import torch
-from compiled_prefill import checkpoint_of, medians, step_arguments, step_of
+from compiled_prefill import checkpoint_of, medians, step_arguments, step_cases, step_of
 
 import engine.backends
 from engine import LLMEngine
@@ -33,14 +33,13 @@ def main() -> None:
     print(f"checkpoint {path}, torch {torch.__version__}, {torch.get_num_threads()} threads, eager steps\n")
     print(f"{'step':>10} | {'unfused ms':>10} | {'fused ms':>8} | {'x unfused':>9} | {'tok/s fused':>11} | max diff")
     generator = torch.Generator().manual_seed(0)
-    for case in [[n] for n in args.lengths] + [[n // 4] * 4 for n in args.lengths if n >= 64]:
+    for label, case in step_cases(args.lengths):
         step, free = step_of(llm, case, generator)
         with torch.inference_mode():
             diff = (forward_with(True, model, step, cache) - forward_with(False, model, step, cache)).abs().max()
             runs = {f: lambda f=f, step=step: forward_with(f, model, step, cache) for f in (False, True)}
             ms = {fused: seconds * 1e3 for fused, seconds in medians(runs, args.rounds).items()}
         free()
-        label = f"{case[0]}" if len(case) == 1 else f"4 x {case[0]}"
         print(
             f"{label:>10} | {ms[False]:>10.1f} | {ms[True]:>8.1f} | {ms[False] / ms[True]:>8.2f}x"
             f" | {sum(case) / ms[True] * 1e3:>11.0f} | {diff.item():.1e}"
