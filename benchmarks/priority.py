@@ -69,26 +69,32 @@ def chat_body(text: str, max_tokens: int, stream: bool) -> dict:
     }
 
 
-def interactive_load(url: str, rate: float, seconds: float, seed: int, max_tokens: int) -> list[float]:
-    """Streaming calls at Poisson arrivals for `seconds`: each call's time to its first token."""
+def interactive_load(url: str, rate: float, seconds: float, seed: int, max_tokens: int) -> list[tuple[float, float]]:
+    """Streaming calls at Poisson arrivals for `seconds`: each call's time to its first token, and
+    the share of its prompt the server found cached (its usage chunk's `cached_tokens`)."""
     return asyncio.run(_interactive_load(url, rate, seconds, seed, max_tokens))
 
 
-async def _interactive_load(url: str, rate: float, seconds: float, seed: int, max_tokens: int) -> list[float]:
+async def _interactive_load(
+    url: str, rate: float, seconds: float, seed: int, max_tokens: int
+) -> list[tuple[float, float]]:
     rng = random.Random(seed)
-    ttfts: list[float] = []
+    calls_seen: list[tuple[float, float]] = []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as http:
 
         async def call(body: dict) -> None:
             sent = time.perf_counter()
-            first = None
+            first, usage = None, None
             async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                 async for line in response.aiter_lines():  # read to the end: the call takes its slot till then
                     if first is None and line.startswith("data: ") and '"content"' in line:
                         first = time.perf_counter() - sent
-            if first is None:
-                raise RuntimeError(f"a call answered {response.status_code} without any content")
-            ttfts.append(first)
+                    if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                        usage = json.loads(line[len("data: ") :])["usage"]
+            if first is None or usage is None:
+                raise RuntimeError(f"a call answered {response.status_code} without content or usage")
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            calls_seen.append((first, cached / usage["prompt_tokens"]))
 
         calls, began, at = [], time.perf_counter(), 0.0
         while True:
@@ -96,9 +102,10 @@ async def _interactive_load(url: str, rate: float, seconds: float, seed: int, ma
             if at > seconds:
                 break
             await asyncio.sleep(max(0.0, began + at - time.perf_counter()))
-            calls.append(asyncio.create_task(call(chat_body(question(rng), max_tokens, True))))
+            body = {**chat_body(question(rng), max_tokens, True), "stream_options": {"include_usage": True}}
+            calls.append(asyncio.create_task(call(body)))
         await asyncio.gather(*calls)
-    return ttfts
+    return calls_seen
 
 
 def run_batch(url: str, size: int, seed: int, max_tokens: int) -> tuple[float, str]:
@@ -172,9 +179,13 @@ def main() -> None:
     rounds: list[dict] = []
 
     def one_round(clients: ProcessPoolExecutor, n: int) -> dict:
-        load = (url, args.rate, args.seconds, args.seed + 10 * n, args.max_tokens)
+        # the same load each time, on prompts of its own: the calls beside the batch must not find
+        # the states of the calls alone in the cache (their own seed), nor one round another's
+        def load(seed: int) -> tuple:
+            return (url, args.rate, args.seconds, seed, args.max_tokens)
+
         print(f"round {n + 1}: interactive alone, {args.rate:g}/s for {args.seconds:g} s", flush=True)
-        alone = clients.submit(interactive_load, *load).result()
+        alone = clients.submit(interactive_load, *load(args.seed + 10 * n)).result()
         print(f"round {n + 1}: a batch of {args.batch} alone", flush=True)
         batch_alone, _ = run_batch(url, args.batch, args.seed + 10 * n + 1, args.max_tokens)
         print(f"round {n + 1}: the batch and the interactive load together", flush=True)
@@ -186,7 +197,7 @@ def main() -> None:
         )
         batch.start()
         time.sleep(2.0)  # the batch is running
-        beside = clients.submit(interactive_load, *load).result()
+        beside = clients.submit(interactive_load, *load(args.seed + 10 * n + 3)).result()
         batch.join()
         return {"alone": alone, "beside": beside, "batch_alone": batch_alone, "batch_beside": together["seconds"]}
 
@@ -210,8 +221,16 @@ def main() -> None:
 
     ratios, shares = [], []
     for n, r in enumerate(rounds, start=1):
-        alone, beside = r["alone"], r["beside"]
+        # the comparison holds only between calls the cache did not answer: a repeated prompt is
+        # a cache hit, with a time to first token of its own
+        for phase in ("alone", "beside"):
+            found = max(share for _, share in r[phase])
+            if found > 0.5:
+                raise RuntimeError(f"round {n}: a call {phase} found {found:.0%} of its prompt cached: a repeat")
+        alone, beside = [ttft for ttft, _ in r["alone"]], [ttft for ttft, _ in r["beside"]]
         print(f"\nround {n}: interactive calls: {len(alone)} alone, {len(beside)} beside the batch")
+        cached = {phase: max(share for _, share in r[phase]) for phase in ("alone", "beside")}
+        print(f"the most of a call's prompt found cached: {cached['alone']:.0%} alone, {cached['beside']:.0%} beside")
         print(f"{'interactive TTFT':<28} {'P50':>8} {'P90':>8} {'P99':>8}")
         for name, values in (("alone", alone), ("beside a running batch", beside)):
             p50, p90, p99 = (percentile(values, p) for p in (50, 90, 99))
