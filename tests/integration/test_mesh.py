@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from common import worker as worker_module
 from common.bus import Bus, KafkaBus, MemoryBus
 from common.messages import DeadLetter, Envelope, PrefillPayload, ResultPayload, Sampling, WarmPayload, decode
 from common.topics import Topic, all_topic_names, topic_name
@@ -66,7 +67,8 @@ def test_all_three_protocols_complete_and_match_one_process(mesh, tiny_preset):
 
 def test_batch_work_waits_while_an_interactive_job_is_on_its_way_and_answers_in_one_message(mesh, monkeypatch):
     """Embedded, engines share a thread: from the moment the tokenizer sends an interactive prompt
-    on until its first tokens are back, no engine starts a step with batch work in it. A batch
+    on until its first tokens are back, no engine starts a step with batch work in it, nor takes a
+    batch job's state in (a decode engine's load is the engine thread's time). A batch
     job's answer, which nobody reads before it ends, comes as one results message."""
     steps: list[tuple[float, bool, set[int]]] = []  # when, held or not, the priorities stepped
     for worker in (mesh.prefill, mesh.decode):
@@ -80,6 +82,14 @@ def test_batch_work_waits_while_an_interactive_job_is_on_its_way_and_answers_in_
             return step
 
         monkeypatch.setattr(scheduler, "schedule", schedule)
+    admitted: list[tuple[float, str]] = []  # when a job's state went into an engine, and its priority
+    for worker in (mesh.prefill, mesh.decode):
+
+        def admit(job_id, job, original=worker._admit) -> None:
+            admitted.append((time.monotonic(), job.payload.priority))
+            original(job_id, job)
+
+        monkeypatch.setattr(worker, "_admit", admit)
     on_the_way: dict[str, list[float]] = {}  # job id: when the tokenizer added it, and took it off
     way = mesh.tokenizer.on_their_way
     for name in ("add", "discard"):
@@ -104,9 +114,54 @@ def test_batch_work_waits_while_an_interactive_job_is_on_its_way_and_answers_in_
     assert any(held for _, held, _ in on_its_way), steps  # its own steps, at least, were held ones
     slack = 0.05  # a step that asked whether to hold just before the prompt was sent on
     assert all(held and 1 not in kinds for began, held, kinds in on_its_way if began > sent + slack), steps
+    assert not [at for at, priority in admitted if sent + slack < at < first_token and priority == "batch"]
     assert any(1 in kinds for began, _, kinds in steps if began > first_token)  # and then it went on
     for job_id in batch:
         assert len(results[job_id]) == 1 and results[job_id][0].done and results[job_id][0].status == 200
+
+
+def test_an_interactive_job_is_admitted_before_the_other_engine_steps_again(mesh, monkeypatch):
+    """Embedded, where the engines take turns on one thread: an interactive prompt's prefix lookup
+    runs on a fetch thread, and its engine waits for it rather than hand the thread to the other
+    engine, whose step (of a batch, tens of ms) the prompt would otherwise wait out. Here the
+    lookup takes 50 ms while decode has an interactive job to step."""
+    monkeypatch.setattr(worker_module, "URGENT_FETCH_SECONDS", 2.0)  # past any lookup here, however slow
+    decode_steps: list[float] = []
+    scheduler = mesh.decode.engine.scheduler
+
+    def schedule(original=scheduler.schedule):
+        step = original()
+        if step is not None:
+            decode_steps.append(time.monotonic())
+        return step
+
+    monkeypatch.setattr(scheduler, "schedule", schedule)
+    fetching: dict[str, list[float]] = {}  # job id: when its lookup began, when it was admitted
+
+    def fetch(job_id, job, original=mesh.prefill._fetch):
+        fetching[job_id] = [time.monotonic()]
+        time.sleep(0.05)
+        return original(job_id, job)
+
+    def admit(job_id, job, original=mesh.prefill._admit) -> None:
+        fetching[job_id].append(time.monotonic())
+        original(job_id, job)
+
+    monkeypatch.setattr(mesh.prefill, "_fetch", fetch)
+    monkeypatch.setattr(mesh.prefill, "_admit", admit)
+    body = {**BODIES["chat.completions"], "temperature": 0}
+    long = submit(mesh, "chat.completions", {**body, "max_tokens": 100, "ignore_eos": True})
+    deadline = time.monotonic() + 60
+    while len(decode_steps) < 3:  # decoding
+        assert time.monotonic() < deadline, "the first job never decoded"
+        time.sleep(0.01)
+    question = [{"role": "user", "content": f"A question of its own: {uuid.uuid4().hex}"}]
+    job_id = submit(mesh, "chat.completions", {**body, "messages": question, "max_tokens": 2})
+    results = collect(mesh, {job_id, long})
+    assert results[job_id][-1].status == 200 and results[long][-1].status == 200
+    began, admitted = fetching[job_id]
+    assert admitted - began >= 0.05
+    assert not [at for at in decode_steps if began < at < admitted], "decode stepped while the lookup ran"
 
 
 def test_an_interactive_job_loads_and_stores_its_state_past_batch_work(mesh):
