@@ -223,13 +223,12 @@ def main() -> None:
     for n, r in enumerate(rounds, start=1):
         # the comparison holds only between calls the cache did not answer: a repeated prompt is
         # a cache hit, with a time to first token of its own
-        for phase in ("alone", "beside"):
-            found = max(share for _, share in r[phase])
+        cached = {phase: max(share for _, share in r[phase]) for phase in ("alone", "beside")}
+        for phase, found in cached.items():
             if found > 0.5:
                 raise RuntimeError(f"round {n}: a call {phase} found {found:.0%} of its prompt cached: a repeat")
         alone, beside = [ttft for ttft, _ in r["alone"]], [ttft for ttft, _ in r["beside"]]
         print(f"\nround {n}: interactive calls: {len(alone)} alone, {len(beside)} beside the batch")
-        cached = {phase: max(share for _, share in r[phase]) for phase in ("alone", "beside")}
         print(f"the most of a call's prompt found cached: {cached['alone']:.0%} alone, {cached['beside']:.0%} beside")
         print(f"{'interactive TTFT':<28} {'P50':>8} {'P90':>8} {'P99':>8}")
         for name, values in (("alone", alone), ("beside a running batch", beside)):

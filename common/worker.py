@@ -582,11 +582,12 @@ class EngineWorker(ReplicaWorker, Generic[JobT, PayloadT]):
         if fetching and not self.engine.has_unfinished_requests():
             wait(fetching, timeout=0.005, return_when=FIRST_COMPLETED)
         held = self.hold is not None and self.hold()
-        urgent = [job.fetch for job in self.jobs.values() if job.fetch is not None and job.payload.priority != "batch"]
-        if held and urgent:
+        if held:
             # engines share this thread: an interactive job not admitted now waits for the other
             # engine's step (tens of ms beside a batch); its lookup or load takes a few
-            wait(urgent, timeout=URGENT_FETCH_SECONDS)
+            jobs = self.jobs.values()
+            if urgent := [job.fetch for job in jobs if job.fetch is not None and job.payload.priority != "batch"]:
+                wait(urgent, timeout=URGENT_FETCH_SECONDS)
         for job_id, job in list(self.jobs.items()):
             if job.fetch is not None and job.fetch.done() and not (held and job.payload.priority == "batch"):
                 self._admit(job_id, job)
