@@ -2,6 +2,12 @@
 # and are idempotent: a second run only redoes what changed.
 
 PYTHON ?= python3
+
+# A machine may tell Python not to write bytecode (PYTHONDONTWRITEBYTECODE, as container images often
+# do). Then every process compiles the project's modules anew, and every pytest process rewrites the
+# asserts of the test modules and of its plugins' ~350 modules (schemathesis, hypothesis, anyio) again,
+# 7 CPU-seconds each time. The recipes here let them write it (__pycache__, ignored by git).
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
@@ -43,7 +49,8 @@ lint: $(INSTALLED)
 # (scripts/lowest-priority), on two workers too: the system tier's `in_process` modules (long
 # computations in their own process, no services, no deadline). They run on what the front lane
 # leaves idle while it waits on the broker, on timeouts and on killed processes; their report
-# follows the front's.
+# follows the front's. Each lane collects only the tiers its tests are in (tests/conftest.py keeps
+# `in_process` to tests/system): every pytest process imports what it collects.
 # DeepInfer's source (and SGLang's), whose plain-torch references the V4.1 tests compare against:
 # fetched once from PyPI, checked against pinned hashes (scripts/fetch-reference)
 REFERENCE := .cache/reference/.fetched
@@ -56,9 +63,9 @@ BEHIND_LOG := .cache/test-in-process.log
 test: lint $(REFERENCE)
 	stack="$$(scripts/stack up)" && eval "$$stack" && export DEEPMESH_REQUIRE_INFRA=1 DEEPMESH_REQUIRE_REFERENCE=1 && \
 	{ env -u DEEPMESH_KAFKA_BOOTSTRAP scripts/lowest-priority \
-		$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m in_process --durations=10 >$(BEHIND_LOG) 2>&1 & } && \
+		$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m in_process --durations=10 tests/system >$(BEHIND_LOG) 2>&1 & } && \
 	{ behind_pid=$$!; trap 'kill -- -$$behind_pid 2>/dev/null' INT TERM; \
-	  $(BIN)/pytest -n 2 --dist loadfile -m "not alone and not in_process" --durations=15 && \
+	  $(BIN)/pytest -n 2 --dist loadfile -m "not alone and not in_process" --durations=15 tests/unit tests/integration && \
 	  $(BIN)/pytest -m alone --durations=15; front=$$?; wait $$behind_pid; behind=$$?; \
 	  echo "== the in_process tests, run behind: $(BEHIND_LOG) =="; cat $(BEHIND_LOG); exit $$((front || behind)); }
 

@@ -18,7 +18,7 @@ from engine.checkpoint.make_model import write_checkpoint
 from tests.support.infra import BrokerNames
 from tests.support.leftovers import mark_this_run, wait_for_leftovers
 from tests.support.models import PARITY_CONFIGS
-from tests.support.parallel import ids_run_once
+from tests.support.parallel import ids_run_once, in_process_outside
 
 # One torch thread in this process and in every process the tests start (OMP_NUM_THREADS is
 # inherited): a run holds many processes at once (two pytest-xdist workers, clusters of services),
@@ -72,6 +72,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: order.get(item.path, len(order)))
     if shared := ids_run_once(items):
         raise pytest.UsageError(f"tests collected under one id, outside the `alone` part: {shared}")
+    if stray := in_process_outside(items, SYSTEM_TIER):
+        raise pytest.UsageError(f"`in_process` outside tests/system, where the lane behind never looks: {stray}")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

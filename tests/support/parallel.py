@@ -1,9 +1,10 @@
-"""What running the suite on pytest-xdist workers needs of its tests."""
+"""What running the suite in the Makefile's lanes, on pytest-xdist workers, needs of its tests."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 
@@ -13,3 +14,12 @@ def ids_run_once(items: Iterable[Any]) -> list[str]:
     and no one would know."""
     counts = Counter(item.nodeid for item in items if not item.get_closest_marker("alone"))
     return sorted(nodeid for nodeid, n in counts.items() if n > 1)
+
+
+def in_process_outside(items: Iterable[Any], tier: Path) -> list[str]:
+    """The tests marked `in_process` outside `tier`: the lane that runs them collects only that tier
+    (every pytest process imports what it collects), and the others deselect them, so they would
+    never run, and no one would know."""
+    return sorted(
+        item.nodeid for item in items if item.get_closest_marker("in_process") and tier not in item.path.parents
+    )
