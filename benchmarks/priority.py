@@ -2,7 +2,9 @@
 does interactive traffic starve the batch?
 
 One `deepmesh serve`-style process (the embedded mesh: gateway, tokenizer, prefill and decode
-over the in-process bus, the engines on the main thread, the batch runner on a thread) and,
+over the in-process bus, the engines on the main thread, the batch runner on a thread; decode
+through its compiled graphs and prefill through its compiled pieces where `deepmesh serve` would
+compile them, all ready before the first round; `--no-compile`: both eager) and,
 in a process of their own, interactive clients that open streaming chat calls at Poisson
 arrivals and time each call's first token. In the same run:
 
@@ -16,7 +18,7 @@ interactive TTFT P50/P90/P99 alone and beside the batch (target: P90 <= 1.2x), a
 batch's throughput beside light interactive traffic against alone (target: >= 80%), per
 round and their medians.
 
-    python benchmarks/priority.py [--rate 2 --seconds 20 --batch 500 --max-tokens 32 --rounds 3]
+    python benchmarks/priority.py [--rate 2 --seconds 20 --batch 500 --max-tokens 32 --rounds 3] [--no-compile]
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=64, help="DEEPMESH_BATCH_IN_FLIGHT")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three phases (the machine is noisy)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-compile", action="store_true", help="both engines eager")
     args = parser.parse_args()
     set_engine_threads()  # as deepmesh serve: one torch thread less than the cores
     if not (args.model / "config.json").is_file():
@@ -155,7 +158,17 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="deepmesh-priority-"))
     settings = Settings(database_url=f"sqlite:///{workdir}/cache.db", cache_dir=str(workdir / "kv"))
     bus = MemoryBus()
-    mesh = Mesh(args.model, bus, StateStore.from_settings(settings), served_model=MODEL_NAME)
+    # what `deepmesh serve` compiles (DEEPMESH_COMPILE_DECODE and _PREFILL, both on by default)
+    compile_decode = settings.compile_decode and not args.no_compile
+    compile_prefill = settings.compile_prefill and not args.no_compile
+    mesh = Mesh(
+        args.model,
+        bus,
+        StateStore.from_settings(settings),
+        served_model=MODEL_NAME,
+        compile_decode=compile_decode,
+        compile_prefill=compile_prefill,
+    )
     mesh.start([mesh.tokenizer])
     jobs = JobStore(f"sqlite:///{workdir}/jobs.db")
     app = create_app(
@@ -171,7 +184,8 @@ def main() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
@@ -203,6 +217,15 @@ def main() -> None:
 
     def drive() -> None:
         try:
+            # steady state: every graph ready (each one's first run is on the engine thread)
+            started = time.monotonic()
+            engines = (mesh.decode.engine, mesh.prefill.engine)
+            if any(e.compiled_decode or e.compiled_prefill for e in engines):
+                if not all(e.wait_compiled() for e in engines if e.compiled_decode or e.compiled_prefill):
+                    raise RuntimeError("an engine's graphs did not compile: run with --no-compile")
+                print(f"compiled graphs ready in {time.monotonic() - started:.0f} s", flush=True)
+            else:
+                print("both engines eager", flush=True)
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
                 clients.submit(time.sleep, 0).result()
                 httpx.post(f"{url}/v1/chat/completions", json=chat_body("warm up", 2, False), timeout=120)
@@ -216,6 +239,7 @@ def main() -> None:
     mesh.run_engines(until=finished)
     driver.join()
     server.should_exit = True
+    serving.join(timeout=30)  # its shutdown runs on threads the interpreter's exit would refuse
     mesh.stop()
     jobs.close()
 
