@@ -96,6 +96,9 @@ class EarlyCancels:
 
 
 URGENT_FETCH_SECONDS = 0.02  # how long an engine sharing its thread waits for an interactive job's fetch
+# how long, at most in a row, an engine whose steps come after first tokens (decode) leaves a thread it
+# shares to an interactive job on its way to its first token (see run_workers)
+YIELD_SECONDS = 0.2
 
 
 class OnTheirWay:
@@ -183,6 +186,15 @@ class Worker:
     @property
     def urgent(self) -> bool:
         """It holds interactive work on its way to a first token (see run_workers)."""
+        return False
+
+    # its steps come after its jobs' first tokens (decode): sharing a thread, it may leave its turns
+    # to the steps that compute another job's (run_workers, EngineWorker.yields_step)
+    steps_after_first_tokens = False
+
+    @property
+    def yielding(self) -> bool:
+        """It is leaving its turns to another job's first token."""
         return False
 
     def run_once(self, timeout: float = 0.1) -> None:
@@ -401,6 +413,30 @@ class EngineWorker(ReplicaWorker, Generic[JobT, PayloadT]):
     # set by run_workers when engines share a thread: whether one of them holds interactive work
     # on its way to its first token (then every engine steps interactive work only)
     hold: Callable[[], bool] | None = None
+    # set by run_workers on an engine whose steps come after first tokens, sharing its thread:
+    # whether an interactive job is on its way to its first token (see `yields_step`)
+    first_token_pending: Callable[[], bool] | None = None
+    _yielding_since: float | None = None
+
+    @property
+    def yielding(self) -> bool:
+        since = self._yielding_since
+        return since is not None and time.monotonic() - since < YIELD_SECONDS
+
+    def yields_step(self) -> bool:
+        """Whether this turn's step waits: an interactive job is on its way to its first token, which
+        the other engine on this thread computes, so that this engine's step (of jobs that have had
+        theirs) does not stand in its way. At most YIELD_SECONDS in a row, then one step."""
+        if self.first_token_pending is None or not self.first_token_pending():
+            self._yielding_since = None
+            return False
+        now = time.monotonic()
+        if self._yielding_since is None:
+            self._yielding_since = now
+        if now - self._yielding_since < YIELD_SECONDS:
+            return True
+        self._yielding_since = None
+        return False
 
     def step_engine(self) -> list:
         """One engine step, asking first whether batch work must wait (see `hold`)."""
@@ -633,6 +669,12 @@ def run_workers(workers: list[Worker], stop: threading.Event, also_urgent: list[
         watched = [*workers, *(also_urgent or [])]
         for worker in workers:
             worker.hold = lambda: any(w.urgent for w in watched)
+        # and an engine whose steps come after first tokens (decode) leaves its turns to the steps
+        # that compute one (prefill's), for at most YIELD_SECONDS in a row
+        before_first_tokens = [w for w in watched if not w.steps_after_first_tokens]
+        for worker in workers:
+            if worker.steps_after_first_tokens and len(workers) > 1:
+                worker.first_token_pending = lambda: any(w.urgent for w in before_first_tokens)
     if len(workers) > 1 and (shared_wakeup := getattr(workers[0].bus, "shared_wakeup", None)) is not None:
         # a record for one of them ends whichever's poll is waiting: none waits out the others'
         wakeup = shared_wakeup()
@@ -643,7 +685,7 @@ def run_workers(workers: list[Worker], stop: threading.Event, also_urgent: list[
             for worker in workers:
                 # while any of them has work in flight (asked anew: the one before may have just
                 # taken a job), the others only glance at the bus
-                busy = any(w.busy for w in workers)
+                busy = any(w.busy and not w.yielding for w in workers)
                 bus = workers[0].bus
                 timeout = bus.busy_poll_timeout if busy else bus.idle_poll_timeout / len(workers)
                 try:

@@ -52,6 +52,7 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
     group = "decode"
     job_type = "decode"
     payload_type = DecodePayload
+    steps_after_first_tokens = True
 
     def __init__(
         self,
@@ -204,6 +205,8 @@ class DecodeWorker(EngineWorker[_Job, DecodePayload]):
         self.admit_fetched()
         if not self.engine.has_unfinished_requests():
             metrics.RUNNING_JOBS.labels(self.group).set(len(self.jobs))
+            return
+        if self.yields_step():
             return
         started = time.perf_counter()
         outputs = self.step_engine()

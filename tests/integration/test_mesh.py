@@ -126,6 +126,7 @@ def test_an_interactive_job_is_admitted_before_the_other_engine_steps_again(mesh
     engine, whose step (of a batch, tens of ms) the prompt would otherwise wait out. Here the
     lookup takes 50 ms while decode has an interactive job to step."""
     monkeypatch.setattr(worker_module, "URGENT_FETCH_SECONDS", 2.0)  # past any lookup here, however slow
+    monkeypatch.setattr(worker_module, "YIELD_SECONDS", 0.0)  # decode never leaves its turn: the wait alone
     decode_steps: list[float] = []
     scheduler = mesh.decode.engine.scheduler
 
@@ -162,6 +163,52 @@ def test_an_interactive_job_is_admitted_before_the_other_engine_steps_again(mesh
     began, admitted = fetching[job_id]
     assert admitted - began >= 0.05
     assert not [at for at in decode_steps if began < at < admitted], "decode stepped while the lookup ran"
+
+
+def test_decode_leaves_its_turns_to_an_interactive_job_on_its_way_to_its_first_token(mesh, monkeypatch):
+    """Embedded, decode's steps (of jobs that have their first tokens) wait while an interactive job
+    is on its way to its own, which prefill computes on the same thread. Here the new job's lookup
+    takes 50 ms and prefill gives the thread up at once, while decode has an interactive job to step."""
+    monkeypatch.setattr(worker_module, "URGENT_FETCH_SECONDS", 0.0)  # prefill hands the thread over
+    monkeypatch.setattr(worker_module, "YIELD_SECONDS", 5.0)  # past anything here, however slow
+    decode_steps: list[float] = []
+    scheduler = mesh.decode.engine.scheduler
+
+    def schedule(original=scheduler.schedule):
+        step = original()
+        if step is not None:
+            decode_steps.append(time.monotonic())
+        return step
+
+    monkeypatch.setattr(scheduler, "schedule", schedule)
+    began: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+
+    def fetch(job_id, job, original=mesh.prefill._fetch):
+        began[job_id] = time.monotonic()
+        time.sleep(0.05)
+        return original(job_id, job)
+
+    def prefilled(out, job, original=mesh.prefill._prefilled) -> None:
+        first_token.setdefault(out.request_id, time.monotonic())
+        original(out, job)
+
+    monkeypatch.setattr(mesh.prefill, "_fetch", fetch)
+    monkeypatch.setattr(mesh.prefill, "_prefilled", prefilled)
+    body = {**BODIES["chat.completions"], "temperature": 0}
+    long = submit(mesh, "chat.completions", {**body, "max_tokens": 100, "ignore_eos": True})
+    deadline = time.monotonic() + 60
+    while len(decode_steps) < 3:  # decoding
+        assert time.monotonic() < deadline, "the first job never decoded"
+        time.sleep(0.01)
+    question = [{"role": "user", "content": f"A question of its own: {uuid.uuid4().hex}"}]
+    job_id = submit(mesh, "chat.completions", {**body, "messages": question, "max_tokens": 2})
+    results = collect(mesh, {job_id, long})
+    assert results[job_id][-1].status == 200 and results[long][-1].status == 200
+    assert first_token[job_id] - began[job_id] >= 0.05
+    between = [at for at in decode_steps if began[job_id] < at < first_token[job_id]]
+    assert not between, f"decode stepped {len(between)} times between the lookup and the first token"
+    assert any(at > first_token[job_id] for at in decode_steps)  # and it went on after
 
 
 def test_an_interactive_job_loads_and_stores_its_state_past_batch_work(mesh):
