@@ -120,36 +120,37 @@ def test_batch_work_waits_while_an_interactive_job_is_on_its_way_and_answers_in_
         assert len(results[job_id]) == 1 and results[job_id][0].done and results[job_id][0].status == 200
 
 
-def test_an_interactive_job_is_admitted_before_the_other_engine_steps_again(mesh, monkeypatch):
-    """Embedded, where the engines take turns on one thread: an interactive prompt's prefix lookup
-    runs on a fetch thread, and its engine waits for it rather than hand the thread to the other
-    engine, whose step (of a batch, tens of ms) the prompt would otherwise wait out. Here the
-    lookup takes 50 ms while decode has an interactive job to step."""
-    monkeypatch.setattr(worker_module, "URGENT_FETCH_SECONDS", 2.0)  # past any lookup here, however slow
-    monkeypatch.setattr(worker_module, "YIELD_SECONDS", 0.0)  # decode never leaves its turn: the wait alone
-    decode_steps: list[float] = []
+def timed_decode_steps(mesh, monkeypatch) -> list[float]:
+    """When each of decode's steps is scheduled, appended as they come."""
+    steps: list[float] = []
     scheduler = mesh.decode.engine.scheduler
 
     def schedule(original=scheduler.schedule):
         step = original()
         if step is not None:
-            decode_steps.append(time.monotonic())
+            steps.append(time.monotonic())
         return step
 
     monkeypatch.setattr(scheduler, "schedule", schedule)
-    fetching: dict[str, list[float]] = {}  # job id: when its lookup began, when it was admitted
+    return steps
+
+
+def slow_lookups(mesh, monkeypatch) -> dict[str, float]:
+    """Prefill's prefix lookups, each made to take 50 ms: when each job's began."""
+    began: dict[str, float] = {}
 
     def fetch(job_id, job, original=mesh.prefill._fetch):
-        fetching[job_id] = [time.monotonic()]
+        began[job_id] = time.monotonic()
         time.sleep(0.05)
         return original(job_id, job)
 
-    def admit(job_id, job, original=mesh.prefill._admit) -> None:
-        fetching[job_id].append(time.monotonic())
-        original(job_id, job)
-
     monkeypatch.setattr(mesh.prefill, "_fetch", fetch)
-    monkeypatch.setattr(mesh.prefill, "_admit", admit)
+    return began
+
+
+def a_question_beside_a_long_answer(mesh, decode_steps: list[float]) -> str:
+    """An interactive job answering 100 tokens and, once decode has stepped three times, a new
+    question of its own: both answered; the question's job id."""
     body = {**BODIES["chat.completions"], "temperature": 0}
     long = submit(mesh, "chat.completions", {**body, "max_tokens": 100, "ignore_eos": True})
     deadline = time.monotonic() + 60
@@ -160,9 +161,29 @@ def test_an_interactive_job_is_admitted_before_the_other_engine_steps_again(mesh
     job_id = submit(mesh, "chat.completions", {**body, "messages": question, "max_tokens": 2})
     results = collect(mesh, {job_id, long})
     assert results[job_id][-1].status == 200 and results[long][-1].status == 200
-    began, admitted = fetching[job_id]
-    assert admitted - began >= 0.05
-    assert not [at for at in decode_steps if began < at < admitted], "decode stepped while the lookup ran"
+    return job_id
+
+
+def test_an_interactive_job_is_admitted_before_the_other_engine_steps_again(mesh, monkeypatch):
+    """Embedded, where the engines take turns on one thread: an interactive prompt's prefix lookup
+    runs on a fetch thread, and its engine waits for it rather than hand the thread to the other
+    engine, whose step (of a batch, tens of ms) the prompt would otherwise wait out. Here the
+    lookup takes 50 ms while decode has an interactive job to step."""
+    monkeypatch.setattr(worker_module, "URGENT_FETCH_SECONDS", 2.0)  # past any lookup here, however slow
+    monkeypatch.setattr(worker_module, "YIELD_SECONDS", 0.0)  # decode never leaves its turn: the wait alone
+    decode_steps = timed_decode_steps(mesh, monkeypatch)
+    began = slow_lookups(mesh, monkeypatch)
+    admitted: dict[str, float] = {}
+
+    def admit(job_id, job, original=mesh.prefill._admit) -> None:
+        admitted[job_id] = time.monotonic()
+        original(job_id, job)
+
+    monkeypatch.setattr(mesh.prefill, "_admit", admit)
+    job_id = a_question_beside_a_long_answer(mesh, decode_steps)
+    assert admitted[job_id] - began[job_id] >= 0.05
+    between = [at for at in decode_steps if began[job_id] < at < admitted[job_id]]
+    assert not between, "decode stepped while the lookup ran"
 
 
 def test_decode_leaves_its_turns_to_an_interactive_job_on_its_way_to_its_first_token(mesh, monkeypatch):
@@ -171,40 +192,16 @@ def test_decode_leaves_its_turns_to_an_interactive_job_on_its_way_to_its_first_t
     takes 50 ms and prefill gives the thread up at once, while decode has an interactive job to step."""
     monkeypatch.setattr(worker_module, "URGENT_FETCH_SECONDS", 0.0)  # prefill hands the thread over
     monkeypatch.setattr(worker_module, "YIELD_SECONDS", 5.0)  # past anything here, however slow
-    decode_steps: list[float] = []
-    scheduler = mesh.decode.engine.scheduler
-
-    def schedule(original=scheduler.schedule):
-        step = original()
-        if step is not None:
-            decode_steps.append(time.monotonic())
-        return step
-
-    monkeypatch.setattr(scheduler, "schedule", schedule)
-    began: dict[str, float] = {}
+    decode_steps = timed_decode_steps(mesh, monkeypatch)
+    began = slow_lookups(mesh, monkeypatch)
     first_token: dict[str, float] = {}
-
-    def fetch(job_id, job, original=mesh.prefill._fetch):
-        began[job_id] = time.monotonic()
-        time.sleep(0.05)
-        return original(job_id, job)
 
     def prefilled(out, job, original=mesh.prefill._prefilled) -> None:
         first_token.setdefault(out.request_id, time.monotonic())
         original(out, job)
 
-    monkeypatch.setattr(mesh.prefill, "_fetch", fetch)
     monkeypatch.setattr(mesh.prefill, "_prefilled", prefilled)
-    body = {**BODIES["chat.completions"], "temperature": 0}
-    long = submit(mesh, "chat.completions", {**body, "max_tokens": 100, "ignore_eos": True})
-    deadline = time.monotonic() + 60
-    while len(decode_steps) < 3:  # decoding
-        assert time.monotonic() < deadline, "the first job never decoded"
-        time.sleep(0.01)
-    question = [{"role": "user", "content": f"A question of its own: {uuid.uuid4().hex}"}]
-    job_id = submit(mesh, "chat.completions", {**body, "messages": question, "max_tokens": 2})
-    results = collect(mesh, {job_id, long})
-    assert results[job_id][-1].status == 200 and results[long][-1].status == 200
+    job_id = a_question_beside_a_long_answer(mesh, decode_steps)
     assert first_token[job_id] - began[job_id] >= 0.05
     between = [at for at in decode_steps if began[job_id] < at < first_token[job_id]]
     assert not between, f"decode stepped {len(between)} times between the lookup and the first token"
