@@ -675,7 +675,8 @@ def run_workers(workers: list[Worker], stop: threading.Event, also_urgent: list[
         for worker in workers:
             if worker.steps_after_first_tokens and len(workers) > 1:
                 worker.first_token_pending = lambda: any(w.urgent for w in before_first_tokens)
-    if len(workers) > 1 and (shared_wakeup := getattr(workers[0].bus, "shared_wakeup", None)) is not None:
+    shared = len(workers) > 1 and (shared_wakeup := getattr(workers[0].bus, "shared_wakeup", None)) is not None
+    if shared:
         # a record for one of them ends whichever's poll is waiting: none waits out the others'
         wakeup = shared_wakeup()
         for worker in workers:
@@ -684,8 +685,10 @@ def run_workers(workers: list[Worker], stop: threading.Event, also_urgent: list[
         while not stop.is_set():
             for worker in workers:
                 # while any of them has work in flight (asked anew: the one before may have just
-                # taken a job), the others only glance at the bus
-                busy = any(w.busy and not w.yielding for w in workers)
+                # taken a job), the others only glance at the bus; one leaving its turns waits on
+                # the shared wake-up instead, which a record for any of them ends (where there is
+                # none, a wait would hold up the other's record: it glances)
+                busy = any(w.busy and not (shared and w.yielding) for w in workers)
                 bus = workers[0].bus
                 timeout = bus.busy_poll_timeout if busy else bus.idle_poll_timeout / len(workers)
                 try:
