@@ -219,9 +219,11 @@ def main() -> None:
         try:
             # steady state: every graph ready (each one's first run is on the engine thread)
             started = time.monotonic()
-            engines = (mesh.decode.engine, mesh.prefill.engine)
-            if any(e.compiled_decode or e.compiled_prefill for e in engines):
-                if not all(e.wait_compiled() for e in engines if e.compiled_decode or e.compiled_prefill):
+            compiling = [
+                e for e in (mesh.decode.engine, mesh.prefill.engine) if e.compiled_decode or e.compiled_prefill
+            ]
+            if compiling:
+                if not all(e.wait_compiled() for e in compiling):
                     raise RuntimeError("an engine's graphs did not compile: run with --no-compile")
                 print(f"compiled graphs ready in {time.monotonic() - started:.0f} s", flush=True)
             else:

@@ -427,14 +427,11 @@ class EngineWorker(ReplicaWorker, Generic[JobT, PayloadT]):
         """Whether this turn's step waits: an interactive job is on its way to its first token, which
         the other engine on this thread computes, so that this engine's step (of jobs that have had
         theirs) does not stand in its way. At most YIELD_SECONDS in a row, then one step."""
-        if self.first_token_pending is None or not self.first_token_pending():
-            self._yielding_since = None
-            return False
-        now = time.monotonic()
-        if self._yielding_since is None:
-            self._yielding_since = now
-        if now - self._yielding_since < YIELD_SECONDS:
-            return True
+        if self.first_token_pending is not None and self.first_token_pending():
+            if self._yielding_since is None:
+                self._yielding_since = time.monotonic()
+            if self.yielding:
+                return True
         self._yielding_since = None
         return False
 
