@@ -96,8 +96,9 @@ class EarlyCancels:
 
 
 URGENT_FETCH_SECONDS = 0.02  # how long an engine sharing its thread waits for an interactive job's fetch
-# how long, at most in a row, an engine whose steps come after first tokens (decode) leaves a thread it
-# shares to an interactive job on its way to its first token (see run_workers)
+# how long, at most in a row, an engine whose steps come after first tokens (decode) and that holds
+# batch work leaves a thread it shares to an interactive job on its way to its first token (see
+# run_workers)
 YIELD_SECONDS = 0.2
 
 
@@ -425,9 +426,13 @@ class EngineWorker(ReplicaWorker, Generic[JobT, PayloadT]):
 
     def yields_step(self) -> bool:
         """Whether this turn's step waits: an interactive job is on its way to its first token, which
-        the other engine on this thread computes, so that this engine's step (of jobs that have had
-        theirs) does not stand in its way. At most YIELD_SECONDS in a row, then one step."""
-        if self.first_token_pending is not None and self.first_token_pending():
+        the other engine on this thread computes, while this engine holds batch work, so that its
+        step (of jobs that have had their first tokens) does not stand in the way. At most
+        YIELD_SECONDS in a row, then one step. Among interactive jobs alone it steps as before:
+        under a load generator's uniform traffic (aiperf, 32 in flight) the yield raised time to
+        first token instead (docs/benchmarks.md)."""
+        pending = self.first_token_pending is not None and self.first_token_pending()
+        if pending and any(job.payload.priority == "batch" for job in self.jobs.values()):
             if self._yielding_since is None:
                 self._yielding_since = time.monotonic()
             if self.yielding:
@@ -666,8 +671,8 @@ def run_workers(workers: list[Worker], stop: threading.Event, also_urgent: list[
         watched = [*workers, *(also_urgent or [])]
         for worker in workers:
             worker.hold = lambda: any(w.urgent for w in watched)
-        # and an engine whose steps come after first tokens (decode) leaves its turns to the steps
-        # that compute one (prefill's), for at most YIELD_SECONDS in a row
+        # and an engine whose steps come after first tokens (decode), while it holds batch work,
+        # leaves its turns to the steps that compute one (prefill's), for at most YIELD_SECONDS in a row
         before_first_tokens = [w for w in watched if not w.steps_after_first_tokens]
         for worker in workers:
             if worker.steps_after_first_tokens and len(workers) > 1:
