@@ -36,6 +36,7 @@ import torch
 from torch.utils._pytree import tree_map, tree_map_only
 
 from engine import compiled_decode
+from engine.backends import experts_grouped_while_tracing
 from engine.compiled_decode import (
     BucketGraphs,
     CompiledDecode,
@@ -263,7 +264,8 @@ class CompiledPrefill(BucketGraphs):
         if graph not in self._graphs:
             function = renamed_copy(self.pieces[piece], f"{kind}_tokens_{size}")
             self._graphs[graph] = torch.compile(function, backend=self._backend, dynamic=False, fullgraph=True)
-        compile_without_running(lambda: self._graphs[graph](module, *rows))
+        with experts_grouped_while_tracing():
+            compile_without_running(lambda: self._graphs[graph](module, *rows))
         return self.pieces[piece](module, *rows)
 
 

@@ -14,6 +14,8 @@ one as two, the second padded."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch._dynamo.backends.registry import lookup_backend
 
 from engine import LLMEngine, SamplingParams, compiled_prefill
 from engine.compiled_prefill import row_groups, token_buckets
@@ -47,11 +49,21 @@ def prompts() -> list[list[int]]:
 
 def compiled_engine(model, monkeypatch: pytest.MonkeyPatch, **options) -> LLMEngine:
     monkeypatch.setattr(compiled_prefill, "LARGEST_BUCKET", 16)
-    with compiling_through(TRACED):
+    traced: list[torch.fx.GraphModule] = []
+
+    def recorded(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        traced.append(graph)
+        return lookup_backend(TRACED)(graph, example_inputs)
+
+    with compiling_through(recorded):
         engine = LLMEngine(model, max_num_batched_tokens=BUDGET, compile_prefill=True, **options)
     assert engine.compiled_prefill is not None, "torch.compile is unavailable: no g++? (scripts/stack toolchain)"
     assert engine.compiled_prefill.buckets == [16]
     assert engine.wait_compiled(), engine.compiled_prefill.failure
+    # a bucket's 16 tokens pick each expert more than once: its pieces multiply them grouped, as eager
+    # does, not a pick at a time as a decode graph does (engine.backends.experts_grouped_while_tracing)
+    calls = [node.target for graph in traced for node in graph.graph.nodes if node.op == "call_function"]
+    assert any("grouped_mm" in str(call) for call in calls) and torch.bmm not in calls
     return engine
 
 

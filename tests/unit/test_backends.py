@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -76,6 +78,44 @@ def test_routed_experts_per_pick_and_grouped_agree_and_a_row_never_depends_on_it
     alone = torch.cat([per_pick(slice(i, i + 1)) for i in range(64)])
     assert torch.equal(everything, alone)
     assert torch.equal(per_pick(slice(5, 37))[3], everything[8])
+
+
+def test_prefill_pieces_trace_the_experts_grouped_and_decode_graphs_per_pick():
+    """A graph traced inside experts_grouped_while_tracing (the compiled prefill's pieces) takes the
+    grouped product once the picks outnumber the experts, as an eager step does; one traced outside
+    it (a decode graph) multiplies every pick on its own. Both give eager's output."""
+    from engine.backends import experts_grouped_while_tracing
+    from engine.compiled_decode import renamed_copy
+
+    torch.manual_seed(1)
+    n_experts, hidden, inner, top_k, limit = 8, 64, 32, 2, 7.0
+    gate_up = torch.randn(n_experts, 2 * inner, hidden) * 0.1
+    down = torch.randn(n_experts, hidden, inner) * 0.1
+    x = torch.randn(16, hidden)  # 32 picks, 4 an expert on average
+    indices = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(16)])
+    weights = torch.rand(16, top_k)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recorded(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    def traced(name: str) -> Callable[..., torch.Tensor]:  # a code object of its own: its own graph
+        return torch.compile(renamed_copy(TorchBackend.routed_experts, name), backend=recorded, fullgraph=True)
+
+    inputs = (x, indices, weights, gate_up, down, limit)
+    eager = TorchBackend.routed_experts(*inputs)
+    with experts_grouped_while_tracing():
+        grouped = traced("piece")(*inputs)
+    per_pick = traced("decode_graph")(*inputs)
+
+    def grouped_and_per_pick(graph: torch.fx.GraphModule) -> tuple[bool, bool]:
+        calls = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+        return any("grouped_mm" in str(call) for call in calls), torch.bmm in calls
+
+    assert [grouped_and_per_pick(graph) for graph in graphs] == [(True, False), (False, True)]
+    torch.testing.assert_close(grouped, eager, rtol=0, atol=0)  # the eager step's own path
+    torch.testing.assert_close(per_pick, eager, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
