@@ -108,12 +108,12 @@ class TorchBackend:
         graph that holds up to PICKS_PER_EXPERT picks per expert (every decode step): 2-4x faster
         than the loop at batch 1 to 128 here, though it reads an expert's weights once per pick.
         Eager, the weights' copies past one pick per expert cost more than the loop (0.54x at batch 32),
-        and so do the re-reads in the compiled prefill's pieces (`experts_grouped_while_tracing`)."""
+        and so do the re-reads in the compiled prefill's pieces past a few picks an expert
+        (`picks_per_expert_while_tracing`)."""
         top_k, n_experts = indices.shape[1], gate_up.shape[0]
         # is_dynamo_compiling, not is_compiling: the latter is a process-wide flag, held for a whole compile,
         # so an eager step running while decode graphs compile on another thread would read it too
-        per_pick_graph = torch.compiler.is_dynamo_compiling() and not _tracing_grouped()
-        picks_per_expert = PICKS_PER_EXPERT if per_pick_graph else 1
+        picks_per_expert = _traced_picks_per_expert() if torch.compiler.is_dynamo_compiling() else 1
         if x.device.type == "cpu" and indices.numel() <= picks_per_expert * n_experts:
             return _experts_per_pick(x, indices, weights, gate_up, down, limit)
         flat = indices.flatten()
@@ -178,31 +178,24 @@ def _at_least_two_rows(hidden: torch.Tensor) -> torch.Tensor:
 
 PICKS_PER_EXPERT = 16  # compiled (see routed_experts): past about 32 picks per expert the loop wins
 
-_grouped = threading.local()  # .active on a thread tracing prefill pieces (`experts_grouped_while_tracing`)
+_tracing = threading.local()  # .picks_per_expert on a thread tracing graphs of another limit
 
 
 @torch.compiler.assume_constant_result  # read once as a graph is traced: a constant of the graph, no guard
-def _tracing_grouped() -> bool:
-    return getattr(_grouped, "active", False)
+def _traced_picks_per_expert() -> int:
+    return getattr(_tracing, "picks_per_expert", PICKS_PER_EXPERT)
 
 
 @contextlib.contextmanager
-def experts_grouped_while_tracing() -> Iterator[None]:
-    """Graphs traced on this thread meanwhile multiply the routed experts per pick only up to one
-    pick per expert, as an eager step does, and past that in the grouped product: the compiled
-    prefill's pieces (engine/compiled_prefill.py). A prompt's tokens pick many experts more than
-    once, and each pick past the first reads its expert's weights again. Measured on the small
-    preset (experts of 1.5 MB), the pieces of a step took 46.0 ms against 40.6 ms grouped at 32
-    tokens, 76.5 against 60.3 ms at 64 and 93.3 against 72.2 ms for 4 x 16, and 31.1 against
-    30.9 ms at 16; on tiny-vocab (experts of 384 KB) 17.1 against 16.2 ms at 64 tokens and the
-    same below. Decode graphs, traced outside it, keep the per-pick product (a decode row's
-    expert output then never depends on its batch); on small the two ran decode steps at batch
-    8, 16 and 32 within 3% of each other."""
-    _grouped.active = True
+def picks_per_expert_while_tracing(limit: int) -> Iterator[None]:
+    """Graphs traced on this thread meanwhile multiply the routed experts a pick at a time up to
+    `limit` picks an expert, and past that in the grouped product, instead of up to
+    PICKS_PER_EXPERT: the compiled prefill's pieces (engine/compiled_prefill.py)."""
+    _tracing.picks_per_expert = limit
     try:
         yield
     finally:
-        _grouped.active = False
+        del _tracing.picks_per_expert
 
 
 def _experts_per_pick(

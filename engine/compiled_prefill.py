@@ -36,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_map, tree_map_only
 
 from engine import compiled_decode
-from engine.backends import experts_grouped_while_tracing
+from engine.backends import picks_per_expert_while_tracing
 from engine.compiled_decode import (
     BucketGraphs,
     CompiledDecode,
@@ -59,6 +59,13 @@ SMALLEST_BUCKET = 16
 # every piece's outputs are joined again, and a 1,024-token step ran 1.07x slower (small and
 # tiny-vocab). Past it, a step's matrix products outweigh what compiling saves around them.
 LARGEST_BUCKET = 1024
+# The routed experts a pick at a time up to this many picks an expert, grouped past it (a decode
+# graph's limit is 16). A prompt's tokens pick experts many times over, and every pick reads its
+# expert's weights again. The small preset's pieces (experts of 1.5 MB), grouped against a pick at
+# a time, medians of 21 alternated rounds: at 64 and 128 tokens (8 and 16 picks an expert) 0.82x
+# to 0.84x and 0.76x to 0.78x the time on one torch thread, 0.88x to 1.02x and 0.86x to 0.87x on
+# two; at 32 (4) 0.91x to 1.08x; at 16 (2) 0.98x to 1.04x on one thread but 1.12x to 1.18x on two.
+PICKS_PER_EXPERT = 2
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -264,7 +271,7 @@ class CompiledPrefill(BucketGraphs):
         if graph not in self._graphs:
             function = renamed_copy(self.pieces[piece], f"{kind}_tokens_{size}")
             self._graphs[graph] = torch.compile(function, backend=self._backend, dynamic=False, fullgraph=True)
-        with experts_grouped_while_tracing():
+        with picks_per_expert_while_tracing(PICKS_PER_EXPERT):
             compile_without_running(lambda: self._graphs[graph](module, *rows))
         return self.pieces[piece](module, *rows)
 

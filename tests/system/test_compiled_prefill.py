@@ -60,8 +60,8 @@ def compiled_engine(model, monkeypatch: pytest.MonkeyPatch, **options) -> LLMEng
     assert engine.compiled_prefill is not None, "torch.compile is unavailable: no g++? (scripts/stack toolchain)"
     assert engine.compiled_prefill.buckets == [16]
     assert engine.wait_compiled(), engine.compiled_prefill.failure
-    # a bucket's 16 tokens pick each expert more than once: its pieces multiply them grouped, as eager
-    # does, not a pick at a time as a decode graph does (engine.backends.experts_grouped_while_tracing)
+    # a bucket's 16 tokens pick each of the 8 experts 4 times on average: its pieces multiply them
+    # grouped, as eager does, not a pick at a time as a decode graph does (compiled_prefill.PICKS_PER_EXPERT)
     calls = [node.target for graph in traced for node in graph.graph.nodes if node.op == "call_function"]
     assert any("grouped_mm" in str(call) for call in calls) and torch.bmm not in calls
     return engine

@@ -81,19 +81,21 @@ def test_routed_experts_per_pick_and_grouped_agree_and_a_row_never_depends_on_it
 
 
 def test_prefill_pieces_trace_the_experts_grouped_and_decode_graphs_per_pick():
-    """A graph traced inside experts_grouped_while_tracing (the compiled prefill's pieces) takes the
-    grouped product once the picks outnumber the experts, as an eager step does; one traced outside
-    it (a decode graph) multiplies every pick on its own. Both give eager's output."""
-    from engine.backends import experts_grouped_while_tracing
+    """A graph traced under picks_per_expert_while_tracing (the compiled prefill's pieces, 2) takes
+    the grouped product past that many picks an expert, as an eager step does past one; a decode
+    graph, traced outside it, multiplies every pick on its own up to 16 (its rows then never
+    depend on their batch). Both give eager's output."""
+    from engine.backends import picks_per_expert_while_tracing
     from engine.compiled_decode import renamed_copy
+    from engine.compiled_prefill import PICKS_PER_EXPERT
 
     torch.manual_seed(1)
     n_experts, hidden, inner, top_k, limit = 8, 64, 32, 2, 7.0
     gate_up = torch.randn(n_experts, 2 * inner, hidden) * 0.1
     down = torch.randn(n_experts, hidden, inner) * 0.1
-    x = torch.randn(16, hidden)  # 32 picks, 4 an expert on average
-    indices = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(16)])
-    weights = torch.rand(16, top_k)
+    x = torch.randn(32, hidden)  # 64 picks: 8 an expert on average
+    indices = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(32)])
+    weights = torch.rand(32, top_k)
     graphs: list[torch.fx.GraphModule] = []
 
     def recorded(graph: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -105,16 +107,18 @@ def test_prefill_pieces_trace_the_experts_grouped_and_decode_graphs_per_pick():
 
     inputs = (x, indices, weights, gate_up, down, limit)
     eager = TorchBackend.routed_experts(*inputs)
-    with experts_grouped_while_tracing():
+    with picks_per_expert_while_tracing(PICKS_PER_EXPERT):
         grouped = traced("piece")(*inputs)
+        short = traced("short_piece")(*(tensor[:8] for tensor in inputs[:3]), *inputs[3:])  # 16 picks: 2 an expert
     per_pick = traced("decode_graph")(*inputs)
 
     def grouped_and_per_pick(graph: torch.fx.GraphModule) -> tuple[bool, bool]:
         calls = [node.target for node in graph.graph.nodes if node.op == "call_function"]
         return any("grouped_mm" in str(call) for call in calls), torch.bmm in calls
 
-    assert [grouped_and_per_pick(graph) for graph in graphs] == [(True, False), (False, True)]
+    assert [grouped_and_per_pick(graph) for graph in graphs] == [(True, False), (False, True), (False, True)]
     torch.testing.assert_close(grouped, eager, rtol=0, atol=0)  # the eager step's own path
+    torch.testing.assert_close(short, eager[:8], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(per_pick, eager, rtol=1e-5, atol=1e-6)
 
 
