@@ -176,7 +176,9 @@ def _at_least_two_rows(hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([hidden, hidden]) if hidden.shape[0] == 1 else hidden
 
 
-PICKS_PER_EXPERT = 16  # compiled (see routed_experts): past about 32 picks per expert the loop wins
+# a traced graph's limit (the decode graphs', see routed_experts: past about 32 picks per expert the
+# loop wins), unless picks_per_expert_while_tracing sets another (the prefill pieces': 2)
+PICKS_PER_EXPERT = 16
 
 _tracing = threading.local()  # .picks_per_expert on a thread tracing graphs of another limit
 
