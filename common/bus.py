@@ -91,6 +91,10 @@ class Bus(Protocol):
         """Several records at once, in order per partition; returns once all are stored, with
         where each one was: (partition, offset)."""
 
+    def produce_waits(self, size: int) -> bool:
+        """Whether producing a value of `size` bytes waits on more than this process's memory (a
+        broker, a file): an event loop then produces on a thread."""
+
     def partitions(self, topic: str) -> int:
         """How many partitions the topic has."""
 
@@ -192,6 +196,9 @@ class MemoryBus:
         self, topic: str, key: str, value: bytes, headers: Headers | None = None, partition: int | None = None
     ) -> tuple[int, int]:
         return self.produce_batch(topic, [(key, value, headers, partition)])[0]
+
+    def produce_waits(self, size: int) -> bool:
+        return self.claims is not None and size > self.claims.threshold  # a claimed value is written to a file
 
     def produce_batch(self, topic: str, records: list[Outgoing]) -> list[tuple[int, int]]:
         checked = _checked_in(self.claims, records)
@@ -411,6 +418,9 @@ class KafkaBus:
             metadata = future.get(timeout=30)
             stored.append((metadata.partition, metadata.offset))
         return stored
+
+    def produce_waits(self, size: int) -> bool:
+        return True  # for the broker's acknowledgement
 
     def partitions(self, topic: str) -> int:
         found = self._producer.partitions_for(topic)  # waits for the topic's metadata

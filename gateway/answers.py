@@ -100,7 +100,11 @@ def error_response(endpoint: str, result: ResultPayload) -> JSONResponse:
 
 async def enqueue(state: GatewayState, job_id: str, endpoint: str, body: dict, parent: Span, options: dict) -> None:
     try:
-        await asyncio.to_thread(state.dispatcher.send, job_id, endpoint, body, options, parent)
+        request = state.dispatcher.request(job_id, endpoint, body, options)
+        if state.bus.produce_waits(len(request)):
+            await asyncio.to_thread(state.dispatcher.produce, job_id, request, parent)
+        else:  # the in-process bus: on the loop, a thread hop less before the job is on its way
+            state.dispatcher.produce(job_id, request, parent)
     except Exception as err:  # kafka-python's errors, a timeout: the broker did not take it
         raise QueueUnavailable(str(err)) from err
 

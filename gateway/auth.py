@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -10,10 +12,12 @@ from gateway.http import Refused, endpoint_of, protocol_error
 from gateway.state import State
 
 
-def authenticate(request: Request, state: State) -> None:
+async def authenticate(request: Request, state: State) -> None:
     """Every /v1 call: with keys required, the key in `Authorization: Bearer KEY` (OpenAI)
     or `x-api-key: KEY` (Anthropic) must be one of ours and not revoked; it decides the
-    call's tenant and rate limits. Without, keys are not read (clients send placeholders)."""
+    call's tenant and rate limits. Without, keys are not read (clients send placeholders).
+    Async, as every dependency here: FastAPI would run a plain function on a thread of its pool,
+    a hop there and back before every call; only the key's lookup in the database goes there."""
     request.state.key = None
     if not state.require_keys or not request.url.path.startswith("/v1/"):
         return
@@ -24,7 +28,7 @@ def authenticate(request: Request, state: State) -> None:
     if not secret:
         message = "an API key is required: send Authorization: Bearer KEY or x-api-key: KEY"
         raise Refused(protocol_error(shape, 401, message, unauthorized))
-    key = state.keys.lookup(secret)
+    key = await asyncio.to_thread(state.keys.lookup, secret)
     if key is None:
         raise Refused(protocol_error(shape, 401, "invalid API key", unauthorized))
     if key.revoked_at is not None:

@@ -19,10 +19,18 @@ class Dispatcher:
     def send(self, job_id: str, endpoint: str, body: dict[str, Any], options: dict[str, Any], parent=None) -> None:
         """Produce the request to `requests` (blocking); raises what the bus raises when the broker
         does not take it. `options`: RequestPayload's tenant, retention and priority."""
+        self.produce(job_id, self.request(job_id, endpoint, body, options), parent)
+
+    @staticmethod
+    def request(job_id: str, endpoint: str, body: dict[str, Any], options: dict[str, Any]) -> bytes:
+        """The request's record."""
         payload = RequestPayload(endpoint=endpoint, body=body, **options).model_dump()
-        message = Envelope(type="request", job_id=job_id, payload=payload)
+        return Envelope(type="request", job_id=job_id, payload=payload).encode()
+
+    def produce(self, job_id: str, request: bytes, parent=None) -> None:
+        """Produce an encoded request (`request`) to `requests` (blocking where the bus waits)."""
         with job_span("send requests", job_id, parent, SpanKind.PRODUCER) as span:
-            self.bus.produce(self.requests_topic, job_id, message.encode(), headers_of(span))
+            self.bus.produce(self.requests_topic, job_id, request, headers_of(span))
 
     def cancel(self, job_id: str, parent: Span | None = None) -> None:
         """Tell the encoder, prefill and decode to drop a job and free its state, wherever it is: queued (a

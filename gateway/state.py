@@ -54,7 +54,7 @@ class GatewayState:
     stop_batches: threading.Event = field(default_factory=threading.Event)
 
 
-def gateway_state(request: Request) -> GatewayState:
+async def gateway_state(request: Request) -> GatewayState:  # async: a plain def would run on a thread (auth.py)
     return request.app.state.gateway
 
 

@@ -49,11 +49,11 @@ def limit_of(request: Request, shape: str) -> int:
     return int(raw)
 
 
-def openai_tenant(request: Request) -> str:
+async def openai_tenant(request: Request) -> str:
     return tenant_of(request, OPENAI)
 
 
-def anthropic_tenant(request: Request) -> str:
+async def anthropic_tenant(request: Request) -> str:
     return tenant_of(request, ANTHROPIC)
 
 

@@ -303,6 +303,18 @@ def test_values_too_large_for_a_record_travel_as_claim_checks(bus):
         decode(gone.value)
 
 
+def test_only_kafka_and_claimed_values_make_a_produce_wait(bus):
+    """What the gateway's event loop asks before it produces a request itself (gateway/answers.py):
+    Kafka's produce waits for the broker's acknowledgement; the in-process bus's waits on nothing
+    but a claimed value's file."""
+    small, claimed = 100, bus.claims.threshold + 1
+    if isinstance(bus, KafkaBus):
+        assert bus.produce_waits(small) and bus.produce_waits(claimed)
+    else:
+        assert not bus.produce_waits(small) and bus.produce_waits(claimed)
+        assert not MemoryBus().produce_waits(claimed)  # no claim store: nothing written
+
+
 def test_a_consumer_polling_between_engine_steps_has_its_commits_taken(bus):
     """A busy worker polls for a few milliseconds between engine steps and commits what it
     finished. kafka-python 3.0 never finished the group join under 2 ms polls: 4 of 1,212

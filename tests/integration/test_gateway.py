@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -10,8 +12,10 @@ import httpx
 import pytest
 
 from common.bus import MemoryBus
+from common.claims import ClaimStore
 from common.topics import all_topic_names
 from gateway.app import create_app
+from gateway.auth import authenticate
 from tests.support.batch_behaviour import BatchBehaviour
 from tests.support.behaviour import MODEL, GatewayBehaviour, ModelOutputBehaviour, ServerThread
 from tokenizer_svc.protocol import Codec
@@ -124,6 +128,62 @@ def test_a_request_the_queue_cannot_take_is_a_503_to_retry(jobs):
         submitted = httpx.post(f"{server.url}/v1/jobs", json={"endpoint": "chat.completions", "body": chat})
         assert submitted.status_code == 503 and submitted.headers["retry-after"] == "1"
         assert _job_count(jobs) == before  # no job left queued that nothing would run
+
+
+class _ProducerThreads(MemoryBus):
+    """The in-process bus, recording the thread each request is produced on; `waits`: it says a
+    produce waits, as Kafka's does."""
+
+    def __init__(self, claims: ClaimStore, waits: bool):
+        super().__init__(claims)
+        self.waits, self.threads = waits, []
+
+    def produce_waits(self, size: int) -> bool:
+        return self.waits or super().produce_waits(size)
+
+    def produce_batch(self, topic, records) -> list[tuple[int, int]]:
+        if topic.endswith("requests"):
+            self.threads.append(threading.current_thread())
+        return super().produce_batch(topic, records)
+
+
+def test_a_request_goes_onto_the_in_process_bus_from_the_event_loop_and_onto_one_that_waits_from_a_thread(
+    jobs, tmp_path
+):
+    """Each thread hop before a job is on its way adds to its time to first token, where the
+    threads share the interpreter lock with the engine's. So a request goes onto the in-process
+    bus from the gateway's event loop, and onto a bus that waits (Kafka's acknowledgement, a large
+    value's claim file) from a thread, which keeps the loop free. No dependency or endpoint of the
+    app is a plain function either: FastAPI would run it on its thread pool, a hop there and back."""
+    for waits in (False, True):
+        bus = _ProducerThreads(ClaimStore(tmp_path / f"claims-{waits}", threshold=4096), waits)
+        bus.create_topics(all_topic_names("hops."), 1)
+        with ServerThread(create_app(bus, "hops.", [MODEL], jobs)) as server:
+            for text in ("short", "x" * 8192):  # the second one's value is claimed: a file written
+                chat = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+                submitted = httpx.post(f"{server.url}/v1/jobs", json={"endpoint": "chat.completions", "body": chat})
+                assert submitted.status_code == 202, submitted.text
+        on_the_loop = [thread is server.thread for thread in bus.threads]
+        assert on_the_loop == ([False, False] if waits else [True, False])
+
+    def calls(dependant):
+        for dependency in dependant.dependencies:
+            yield dependency.call
+            yield from calls(dependency)
+
+    def api_routes(routes):  # FastAPI >= 0.160 wraps an included router's routes
+        for route in routes:
+            if hasattr(route, "original_router"):
+                yield from api_routes(route.original_router.routes)
+            elif hasattr(route, "dependant"):
+                yield route
+
+    app = create_app(MemoryBus(), "hops.", [MODEL], jobs)
+    routes = list(api_routes(app.routes))
+    functions = [d.dependency for d in app.router.dependencies]
+    functions += [f for route in routes for f in (route.endpoint, *calls(route.dependant))]
+    plain = {f.__qualname__ for f in functions if not inspect.iscoroutinefunction(f)}
+    assert len(routes) > 30 and authenticate in functions and not plain, plain
 
 
 def _job_count(jobs) -> int:
