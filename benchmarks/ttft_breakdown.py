@@ -30,9 +30,12 @@ the same prompt (in this process) as the floor.
 
 Then the issue's measure of what the mesh adds: the same token ids (`--lengths`, a fresh prompt
 each round, so that no round is a cache hit) through /v1/completions with max_tokens 1, streamed,
-from a raw HTTP client, against the engine alone in this process (`generate`, max_tokens 1,
-before the mesh starts, on the served prefill's torch threads): medians, the difference and the
-ratio. This process takes `deepmesh serve`'s torch threads (one less than its cores, unless
+from a raw HTTP client, against the engine alone in a process of its own (`generate`, max_tokens 1, on
+the served prefill's torch threads). The two are measured in turn for each prompt, which goes
+first alternating, with the mesh idle between measurements (`SETTLE_SECONDS`): this machine's
+speed drifts by tens of percent within seconds, so only the difference of two measurements that
+close together means anything. Prints the medians of each side, of the pairs' differences and of
+their ratios. This process takes `deepmesh serve`'s torch threads (one less than its cores, unless
 DEEPMESH_TORCH_THREADS or OMP_NUM_THREADS say otherwise).
 
     python benchmarks/ttft_breakdown.py [--requests 20] [--prompt-words 8] [--lengths 16 2048]
@@ -182,67 +185,96 @@ def fresh_prompts(length: int, rounds: int, vocab: int) -> list[list[int]]:
     return [[generator.randrange(1000, vocab) for _ in range(length)] for _ in range(rounds)]
 
 
-def alone_ttft(model: Path, prompts: list[list[int]], threads: int) -> list[float]:
-    """ms from `generate` to its one token, per prompt (the first, a warm-up, left out), on
-    `threads` torch threads (the served engine's)."""
+_engine = None  # the engine alone, in a process of its own, loaded by the first call
+
+
+def alone_ttft(model: Path, threads: int, prompt: list[int]) -> float:
+    """In the engine's own process (not the mesh's, whose threads would hold its interpreter lock):
+    ms from `generate` to its one token, on `threads` torch threads (the served prefill's)."""
     import torch
 
     from engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine.from_pretrained(model)
-    before = torch.get_num_threads()
+    global _engine
     torch.set_num_threads(threads)
-    times = []
-    try:
-        for prompt in prompts:
-            started = time.perf_counter()
-            engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-            times.append((time.perf_counter() - started) * 1000)
-    finally:
-        torch.set_num_threads(before)
-    return times[1:]
+    _engine = _engine or LLMEngine.from_pretrained(model)
+    started = time.perf_counter()
+    _engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    return (time.perf_counter() - started) * 1000
 
 
-def served_ttft(url: str, prompts: list[list[int]]) -> list[float]:
-    """ms from sending a streamed /v1/completions (max_tokens 1) to its first chunk, per prompt.
-    A raw HTTP client with the body serialized before the clock starts: the server's time, not a
-    client library's (the OpenAI SDK's request transform walks a 2,048-id prompt for ~36 ms)."""
-    times = []
-    with httpx.Client(timeout=300) as http:
-        for prompt in prompts:
-            body = json.dumps(
-                {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
-            ).encode()
-            headers = {"content-type": "application/json"}
-            started = time.perf_counter()
-            with http.stream("POST", f"{url}/v1/completions", content=body, headers=headers) as response:
-                response.raise_for_status()
-                first = next(line for line in response.iter_lines() if line.startswith("data: "))
-            assert first != "data: [DONE]"
-            times.append((time.perf_counter() - started) * 1000)
-    return times[1:]
+_http: httpx.Client | None = None  # the client process's connection, kept from one call to the next
 
 
-def client_side(
-    url: str, prompts: dict[int, list[list[int]]], requests: int, words: int
-) -> tuple[dict[int, list[float]], list[tuple[float, float]]]:
-    """What the clients measure, run in a process of their own as a served mesh's clients are (in
-    the mesh's process, their threads would hold its interpreter lock): the token ids through
-    /v1/completions, then the chat requests through the OpenAI SDK (sent times and TTFTs)."""
-    served = {length: served_ttft(url, batch) for length, batch in prompts.items()}
+def served_ttft(url: str, prompt: list[int]) -> float:
+    """In the client process: ms from sending a streamed /v1/completions (max_tokens 1) to its first
+    chunk. A raw HTTP client with the body serialized before the clock starts: the server's time, not
+    a client library's (the OpenAI SDK's request transform walks a 2,048-id prompt for ~36 ms)."""
+    global _http
+    _http = _http or httpx.Client(timeout=300)
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True})
+    headers = {"content-type": "application/json"}
+    started = time.perf_counter()
+    with _http.stream("POST", f"{url}/v1/completions", content=body.encode(), headers=headers) as response:
+        response.raise_for_status()
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+    assert first != "data: [DONE]"
+    return (time.perf_counter() - started) * 1000
+
+
+# between two measurements: the mesh finishes what follows an answer (the prompt's state stored,
+# the job recorded), so that neither side of a pair meets the tail of the request before it
+SETTLE_SECONDS = 0.2
+
+
+def paired_ttft(
+    url: str, model: Path, threads: int, prompts: dict[int, list[list[int]]], spawn: multiprocessing.context.BaseContext
+) -> dict[int, list[tuple[float, float]]]:
+    """(engine alone, served) ms for each prompt, measured one right after the other, which goes first
+    alternating: this machine's speed drifts by tens of percent within seconds, so a difference is
+    only meaningful between measurements that close together. The engine alone runs in a process of
+    its own, the client in another. The first pair of each length, a warm-up, is left out."""
+    pairs: dict[int, list[tuple[float, float]]] = {}
+    with ProcessPoolExecutor(1, mp_context=spawn) as client, ProcessPoolExecutor(1, mp_context=spawn) as engine:
+
+        def measure(side: str, prompt: list[int]) -> float:
+            if side == "served":
+                ms = client.submit(served_ttft, url, prompt).result()
+            else:
+                ms = engine.submit(alone_ttft, model, threads, prompt).result()
+            time.sleep(SETTLE_SECONDS)
+            return ms
+
+        for length, batch in prompts.items():
+            pairs[length] = []
+            for i, prompt in enumerate(batch):
+                order = ("served", "alone") if i % 2 else ("alone", "served")
+                ms = {side: measure(side, prompt) for side in order}
+                if i:
+                    pairs[length].append((ms["alone"], ms["served"]))
+    return pairs
+
+
+def chat_side(url: str, requests: int, words: int) -> list[tuple[float, float]]:
+    """In the client process (in the mesh's, its threads would hold the mesh's interpreter lock):
+    the chat requests through the OpenAI SDK, one after the other (sent times and TTFTs)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
     first_chunk(client, -1, words)  # warm
-    return served, [first_chunk(client, i, words) for i in range(requests)]
+    return [first_chunk(client, i, words) for i in range(requests)]
 
 
-def print_added(mode: str, alone: dict[int, list[float]], served: dict[int, list[float]], threads: int) -> None:
+def print_added(mode: str, pairs: dict[int, list[tuple[float, float]]], threads: int) -> None:
     print(f"\n{mode}: TTFT of the same token ids, served (/v1/completions, max_tokens 1) and the engine alone")
-    print(f"(the engine alone in this process on {threads} torch thread(s), as the served prefill)")
-    print("| prompt tokens | engine alone (ms) | served (ms) | added (ms) | ratio |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    for length in alone:
-        base, mesh = statistics.median(alone[length]), statistics.median(served[length])
-        print(f"| {length} | {base:.1f} | {mesh:.1f} | {mesh - base:+.1f} | {mesh / base:.2f}x |")
+    print(f"(the engine alone in a process of its own on {threads} torch thread(s), as the served prefill; the two")
+    print("measured in turn for each prompt; `added` is the median of the pairs' differences)")
+    print("| prompt tokens | pairs | engine alone (ms) | served (ms) | added (ms) | ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for length, measured in pairs.items():
+        base = statistics.median(b for b, _ in measured)
+        mesh = statistics.median(m for _, m in measured)
+        added = statistics.median(m - b for b, m in measured)
+        ratio = statistics.median(m / b for b, m in measured)
+        print(f"| {length} | {len(measured)} | {base:.1f} | {mesh:.1f} | {added:+.1f} | {ratio:.2f}x |")
 
 
 def run(mode: str, model: Path, requests: int, words: int, lengths: list[int], vocab: int) -> None:
@@ -252,12 +284,13 @@ def run(mode: str, model: Path, requests: int, words: int, lengths: list[int], v
 
     # the engine alone with the served prefill's torch threads: the cluster gives every process one
     threads = torch.get_num_threads() if mode == "embedded" else 1
-    alone = {length: alone_ttft(model, prompts[length], threads) for length in lengths}
     with tempfile.TemporaryDirectory() as scratch:
         traces = Path(scratch) / "traces.jsonl"
         spawn = multiprocessing.get_context("spawn")
-        with serve(model, traces) as url, ProcessPoolExecutor(1, mp_context=spawn) as clients:
-            served, measured = clients.submit(client_side, url, prompts, requests, words).result()
+        with serve(model, traces) as url:
+            with ProcessPoolExecutor(1, mp_context=spawn) as clients:
+                measured = clients.submit(chat_side, url, requests, words).result()
+            pairs = paired_ttft(url, model, threads, prompts, spawn)
             time.sleep(1.0)  # the last spans written
         jobs = spans_by_job(traces)
         rows = []
@@ -275,7 +308,7 @@ def run(mode: str, model: Path, requests: int, words: int, lengths: list[int], v
     print("| after the first token, the hand-over: | | |")
     for hop in OVERLAPPED:
         print(f"| {hop} | {statistics.median(r[hop] for r in rows):.1f} | |")
-    print_added(mode, alone, served, threads)
+    print_added(mode, pairs, threads)
 
 
 def main() -> None:
