@@ -184,6 +184,8 @@ async def answer(state: GatewayState, call: _Call, request: Request, count_only:
     # an answer stored as it runs: its outcome stored by the time the client has it
     keep = state.stored_responses.finish if stored and not background else None
     queue = state.router.watch(job_id)
+    if not stored and not background:  # no job row: nothing of its results to record
+        state.recorder.ignore(job_id)
     gone = asyncio.create_task(client_gone(request))
     streaming = False
     try:
@@ -233,6 +235,8 @@ async def answer_each(
     endpoint = call.endpoint
     job_ids = [call.job_id, *(uuid.uuid4().hex for _ in bodies[1:])]
     queues = [state.router.watch(job_id) for job_id in job_ids]
+    for job_id in job_ids:  # no job rows: nothing of their results to record
+        state.recorder.ignore(job_id)
     gone = asyncio.create_task(client_gone(request))
 
     async def last_result(queue: asyncio.Queue) -> ResultPayload:

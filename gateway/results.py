@@ -172,6 +172,13 @@ class JobRecorder:
         finally:
             consumer.close()
 
+    def ignore(self, job_id: str) -> None:
+        """A synchronous call's job, which has no row: its results are not looked up in the store.
+        Called by the handler before the job is produced, so that its first token does not wait
+        beside a database query (where several gateways share the results, another one's recorder
+        may still look it up once)."""
+        _remember(self._ignored, job_id)
+
     def record(self, records: list[Record]) -> None:
         answered: list[tuple[str, Usage]] = []
         for record in records:
@@ -198,12 +205,17 @@ class JobRecorder:
             self._ahead.setdefault(job_id, []).append((record, envelope, result))
             self.watermarks.hold(record, job_id)
         elif outcome in ("ignored", "outcome_only"):
-            remembered = self._ignored if outcome == "ignored" else self._outcome_only
-            remembered[job_id] = None
-            if len(remembered) > 100_000:
-                remembered.popitem(last=False)
+            _remember(self._ignored if outcome == "ignored" else self._outcome_only, job_id)
         if outcome != "gap" and job_id in self._ahead:  # the stored events may close the gap
             waiting = sorted(self._ahead.pop(job_id), key=lambda held: held[1].seq)
             self.watermarks.release(job_id)
             for held in waiting:
                 self._store(*held)
+
+
+def _remember(ids: OrderedDict[str, None], job_id: str) -> None:
+    """Keep an id among the newest 100,000 (written from the event loop and the recorder's thread:
+    each dict operation is atomic)."""
+    ids[job_id] = None
+    if len(ids) > 100_000:
+        ids.popitem(last=False)

@@ -186,6 +186,27 @@ def test_a_request_goes_onto_the_in_process_bus_from_the_event_loop_and_onto_one
     assert len(routes) > 30 and authenticate in functions and not plain, plain
 
 
+def test_a_synchronous_calls_results_are_never_looked_up_in_the_job_store(service, jobs, monkeypatch):
+    """The job recorder stores async jobs' results; a synchronous call has no job row, and its
+    handler says so before producing it, so that no database query takes the interpreter lock
+    beside its first token on the way to the client. An async job is still recorded."""
+    import openai
+
+    from tests.support.behaviour import wait_for_status
+
+    looked_up = []
+    record = jobs.record
+    monkeypatch.setattr(jobs, "record", lambda job_id, *rest: looked_up.append(job_id) or record(job_id, *rest))
+    client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+    answered = client.chat.completions.create(**chat)
+    streamed = [chunk.id for chunk in client.chat.completions.create(**chat, stream=True)]
+    submitted = httpx.post(f"{service.url}/v1/jobs", json={"endpoint": "chat.completions", "body": chat}).json()
+    assert wait_for_status(service.url, submitted["id"], {"succeeded", "failed"})["status"] == "succeeded"
+    synchronous = {answered.id.removeprefix("chatcmpl-"), streamed[0].removeprefix("chatcmpl-")}
+    assert submitted["id"] in looked_up and not synchronous & set(looked_up), looked_up
+
+
 def _job_count(jobs) -> int:
     from sqlalchemy import func, select
 
