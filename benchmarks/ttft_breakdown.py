@@ -157,11 +157,11 @@ def hops(trace: list[dict], client_ttft: float) -> dict[str, float] | None:
 
 def engine_alone(model: Path, words: int, requests: int) -> float:
     """The engine's prefill and first token for the same prompt, in this process (ms, median)."""
-    from engine import LLMEngine, SamplingParams
+    import torch
+
     from tokenizer_svc.protocol import Codec
 
     codec = Codec.for_model(model, MODEL_NAME)
-    engine = LLMEngine.from_pretrained(model)
     times = []
     for i in range(requests):
         question = " ".join(["why"] * words) + f" {i}?"
@@ -170,10 +170,7 @@ def engine_alone(model: Path, words: int, requests: int) -> float:
             "messages": [{"role": "user", "content": question}],
             "thinking": {"type": "disabled"},
         }
-        prompt = codec.prompt("chat.completions", body).token_ids
-        started = time.perf_counter()
-        engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-        times.append((time.perf_counter() - started) * 1000)
+        times.append(alone_ttft(model, torch.get_num_threads(), codec.prompt("chat.completions", body).token_ids))
     return statistics.median(times[1:])
 
 
@@ -228,14 +225,19 @@ SETTLE_SECONDS = 0.2
 
 
 def paired_ttft(
-    url: str, model: Path, threads: int, prompts: dict[int, list[list[int]]], spawn: multiprocessing.context.BaseContext
+    url: str,
+    model: Path,
+    threads: int,
+    prompts: dict[int, list[list[int]]],
+    client: ProcessPoolExecutor,
+    spawn: multiprocessing.context.BaseContext,
 ) -> dict[int, list[tuple[float, float]]]:
     """(engine alone, served) ms for each prompt, measured one right after the other, which goes first
     alternating: this machine's speed drifts by tens of percent within seconds, so a difference is
     only meaningful between measurements that close together. The engine alone runs in a process of
-    its own, the client in another. The first pair of each length, a warm-up, is left out."""
+    its own, the client in another (`client`). The first pair of each length, a warm-up, is left out."""
     pairs: dict[int, list[tuple[float, float]]] = {}
-    with ProcessPoolExecutor(1, mp_context=spawn) as client, ProcessPoolExecutor(1, mp_context=spawn) as engine:
+    with ProcessPoolExecutor(1, mp_context=spawn) as engine:
 
         def measure(side: str, prompt: list[int]) -> float:
             if side == "served":
@@ -287,10 +289,9 @@ def run(mode: str, model: Path, requests: int, words: int, lengths: list[int], v
     with tempfile.TemporaryDirectory() as scratch:
         traces = Path(scratch) / "traces.jsonl"
         spawn = multiprocessing.get_context("spawn")
-        with serve(model, traces) as url:
-            with ProcessPoolExecutor(1, mp_context=spawn) as clients:
-                measured = clients.submit(chat_side, url, requests, words).result()
-            pairs = paired_ttft(url, model, threads, prompts, spawn)
+        with serve(model, traces) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
+            measured = client.submit(chat_side, url, requests, words).result()
+            pairs = paired_ttft(url, model, threads, prompts, client, spawn)
             time.sleep(1.0)  # the last spans written
         jobs = spans_by_job(traces)
         rows = []
