@@ -7,17 +7,22 @@ hash chain up to it, shared by every anchor that extends it) and an *anchor* (th
 exact prefix: its window snapshot and partial block, and the list of blocks before it). A
 block expires with the last anchor that uses it. The schema belongs to the Alembic migrations
 in cache_svc/migrations.
+
+The catalog speaks SQL statements (SQLAlchemy Core) and hands out plain `Record`s, not ORM
+objects: a lookup, a load and a store run on every request that reuses or leaves a prefix, beside
+its first token, and ORM instances and units of work cost milliseconds of CPU each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, Float, Integer, String, delete, func, select
+from sqlalchemy import JSON, Connection, Float, Integer, String, bindparam, case, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from common.database import open_database
 
@@ -29,10 +34,12 @@ class Base(DeclarativeBase):
 
 
 class Entry(Base):
+    """The table (its schema; the migrations own it)."""
+
     __tablename__ = "cache_entries"
 
     key: Mapped[str] = mapped_column(String(80), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(8))  # "anchor" or "block"
+    kind: Mapped[str] = mapped_column(String(8))  # "anchor", "block" or "image"
     tenant: Mapped[str] = mapped_column(String(64))
     link: Mapped[str] = mapped_column(String(64), index=True)  # hash chain link of the full blocks it follows
     num_tokens: Mapped[int] = mapped_column(Integer)
@@ -48,6 +55,31 @@ class Entry(Base):
     # the cache replica that wrote it: until write-behind, its bytes are in that replica's memory alone
     writer: Mapped[str] = mapped_column(String(200), default="", index=True)
 
+
+ENTRIES = Entry.__table__
+C = ENTRIES.c
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One row of the catalog, as read."""
+
+    key: str
+    kind: str
+    tenant: str
+    link: str
+    num_tokens: int
+    size: int
+    checksum: str
+    blocks: list[str]
+    tiers: str
+    leases: dict[str, float]
+    created_at: float
+    expires_at: float
+    writer: str
+    last_hit_at: float | None = None
+    hits: int = 0
+
     def pinned(self, now: float) -> bool:
         return any(until > now for until in self.leases.values())
 
@@ -60,142 +92,168 @@ class Entry(Base):
         return [t for t in self.tiers.split(",") if t]
 
 
+RECORD_FIELDS = [field.name for field in fields(Record)]
+RECORD_COLUMNS = [C[name] for name in RECORD_FIELDS]
+
+# The statements each request runs, built once (building one costs as much as running it on SQLite).
+KEYS = bindparam("keys", expanding=True)
+GET = select(*RECORD_COLUMNS).where(C.key.in_(KEYS))
+ANCHORS_UNDER = select(C.key, C.num_tokens).where(
+    C.kind == "anchor", C.link.in_(bindparam("links", expanding=True)), C.num_tokens <= bindparam("longest")
+)
+LIVE = select(C.key).where(C.key.in_(KEYS), C.expires_at > bindparam("now"))
+LOCK = select(C.key, C.leases).where(C.key.in_(KEYS)).order_by(C.key).with_for_update()
+BLOCKS_OF = select(C.blocks).where(C.key == bindparam("key"))
+UNTIL = bindparam("until", type_=Float)
+EXTEND = (
+    update(ENTRIES).where(C.key.in_(KEYS)).values(expires_at=case((C.expires_at < UNTIL, UNTIL), else_=C.expires_at))
+)
+COUNT_HIT = update(ENTRIES).where(C.key == bindparam("entry")).values(hits=C.hits + 1, last_hit_at=bindparam("now"))
+SET_LEASES = update(ENTRIES).where(C.key == bindparam("entry")).values(leases=bindparam("held"))
+
+
 class Catalog:
     def __init__(self, url: str):
         self.engine, self.session = open_database(url, MIGRATIONS)
 
-    def add(self, anchor: Entry, blocks: list[Entry]) -> set[str]:
+    def add(self, anchor: Record, blocks: list[Record]) -> set[str]:
         """Record an anchor and its blocks; returns the keys of those that were not known yet
         (the only ones whose bytes need storing). A known entry keeps its bytes and lives as long
         as its longest-lived anchor; a lease is added to the ones it already has."""
-        entries = sorted([anchor, *blocks], key=lambda e: e.key)
+        rows = [{name: getattr(entry, name) for name in RECORD_FIELDS} for entry in sorted([anchor, *blocks], key=_key)]
         for attempt in range(3):
             try:
-                with self.session.begin() as s:
-                    known = {e.key: e for e in _lock(s, [e.key for e in entries])}
-                    for entry in entries:
-                        old = known.get(entry.key)
-                        if old is None:
-                            s.add(_copy(entry))
-                            continue
-                        old.expires_at = max(old.expires_at, entry.expires_at)
-                        if entry.leases:
-                            old.leases = {**old.leases, **entry.leases}
-                return {e.key for e in entries} - set(known)
+                with self.engine.begin() as connection:
+                    return _record(connection, rows)
             except IntegrityError:  # another replica recorded one of them meanwhile: update it instead
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
 
-    def get(self, keys: Iterable[str]) -> dict[str, Entry]:
-        with self.session() as s:
-            return {e.key: e for e in s.scalars(select(Entry).where(Entry.key.in_(list(keys))))}
+    def get(self, keys: Iterable[str]) -> dict[str, Record]:
+        with self.engine.connect() as connection:
+            return {row.key: Record(*row) for row in connection.execute(GET, {"keys": list(keys)})}
 
     def anchors_under(self, links: list[str], longest: int) -> dict[str, int]:
         """{key: num_tokens} of the anchors of at most `longest` tokens that follow any of these
         chain links (expired ones too: a lookup tells an expired prefix from none)."""
-        query = select(Entry.key, Entry.num_tokens).where(
-            Entry.kind == "anchor", Entry.link.in_(links), Entry.num_tokens <= longest
-        )
-        with self.session() as s:
-            return {key: n for key, n in s.execute(query)}
+        with self.engine.connect() as connection:
+            return {key: n for key, n in connection.execute(ANCHORS_UNDER, {"links": links, "longest": longest})}
 
     def live(self, keys: list[str], now: float) -> set[str]:
-        with self.session() as s:
-            return set(s.scalars(select(Entry.key).where(Entry.key.in_(keys), Entry.expires_at > now)))
+        with self.engine.connect() as connection:
+            return set(connection.scalars(LIVE, {"keys": keys, "now": now}))
 
     def hit(self, key: str, now: float, expires_at: float) -> None:
         """Count a hit and extend the anchor and its blocks to at least `expires_at`."""
-        with self.session.begin() as s:
-            for entry in self._locked_with_blocks(s, key):
-                if entry.key == key:
-                    entry.hits += 1
-                    entry.last_hit_at = now
-                entry.expires_at = max(entry.expires_at, expires_at)
+        with self.engine.begin() as connection:
+            if keys := _locked_with_blocks(connection, key):
+                _extend(connection, list(keys), expires_at)
+                connection.execute(COUNT_HIT, {"entry": key, "now": now})
 
     def renew(self, key: str, expires_at: float) -> float | None:
-        with self.session.begin() as s:
-            entries = self._locked_with_blocks(s, key)
-            for entry in entries:
-                entry.expires_at = max(entry.expires_at, expires_at)
-            return next((e.expires_at for e in entries if e.key == key), None)
+        with self.engine.begin() as connection:
+            if not (keys := _locked_with_blocks(connection, key)):
+                return None
+            _extend(connection, list(keys), expires_at)
+            return connection.scalar(select(C.expires_at).where(C.key == key))
 
     def lease(self, key: str, holder: str, until: float | None) -> bool:
         """Pin an anchor and its blocks for `holder` until then, or release its pin (until None)."""
-        with self.session.begin() as s:
-            entries = self._locked_with_blocks(s, key)
-            for entry in entries:
-                leases = dict(entry.leases)
-                if until is None:
-                    leases.pop(holder, None)
-                else:
-                    leases[holder] = until
-                entry.leases = leases
-            return bool(entries)
-
-    def _locked_with_blocks(self, s: Session, key: str) -> list[Entry]:
-        """An anchor and its blocks, locked (PostgreSQL: FOR UPDATE) in key order, as every
-        writer locks them, so that concurrent writers wait for each other and never deadlock."""
-        anchor = s.get(Entry, key)
-        return [] if anchor is None else _lock(s, [key, *anchor.blocks])
+        with self.engine.begin() as connection:
+            held = _locked_with_blocks(connection, key)
+            if until is None:
+                leases = {entry: {h: t for h, t in current.items() if h != holder} for entry, current in held.items()}
+            else:
+                leases = {entry: {**current, holder: until} for entry, current in held.items()}
+            _set_leases(connection, leases)
+            return bool(held)
 
     def set_tiers(self, key: str, tiers: list[str]) -> None:
-        with self.session.begin() as s:
-            entry = s.get(Entry, key)
-            if entry is not None:
-                entry.tiers = ",".join(tiers)
+        with self.engine.begin() as connection:
+            connection.execute(update(ENTRIES).where(C.key == key).values(tiers=",".join(tiers)))
 
     def remove(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         if keys:
-            with self.session.begin() as s:
-                s.execute(delete(Entry).where(Entry.key.in_(keys)))
+            with self.engine.begin() as connection:
+                connection.execute(delete(ENTRIES).where(C.key.in_(keys)))
 
-    def expired(self, now: float, limit: int = 1000) -> list[Entry]:
+    def expired(self, now: float, limit: int = 1000) -> list[Record]:
         """Entries past their expiry (pinned ones included: the caller skips those)."""
-        with self.session() as s:
-            query = select(Entry).where(Entry.expires_at <= now).order_by(Entry.expires_at).limit(limit)
-            return list(s.scalars(query))
+        query = select(*RECORD_COLUMNS).where(C.expires_at <= now).order_by(C.expires_at).limit(limit)
+        with self.engine.connect() as connection:
+            return [Record(*row) for row in connection.execute(query)]
 
     def locations(self) -> dict[str, list[str]]:
         """Every key and the tiers recorded as holding it."""
-        with self.session() as s:
-            return {key: [t for t in tiers.split(",") if t] for key, tiers in s.execute(select(Entry.key, Entry.tiers))}
+        with self.engine.connect() as connection:
+            rows = connection.execute(select(C.key, C.tiers))
+            return {key: [t for t in tiers.split(",") if t] for key, tiers in rows}
 
     def written_by(self, writer: str) -> dict[str, list[str]]:
         """The keys a replica wrote, and the tiers recorded as holding each."""
-        with self.session() as s:
-            rows = s.execute(select(Entry.key, Entry.tiers).where(Entry.writer == writer))
+        with self.engine.connect() as connection:
+            rows = connection.execute(select(C.key, C.tiers).where(C.writer == writer))
             return {key: [t for t in tiers.split(",") if t] for key, tiers in rows}
 
     def anchors_missing_blocks(self) -> list[str]:
         """Anchors that name a block the catalog no longer has (it was evicted)."""
-        with self.session() as s:
-            blocks = set(s.scalars(select(Entry.key).where(Entry.kind == "block")))
-            rows = s.execute(select(Entry.key, Entry.blocks).where(Entry.kind == "anchor"))
+        with self.engine.connect() as connection:
+            blocks = set(connection.scalars(select(C.key).where(C.kind == "block")))
+            rows = connection.execute(select(C.key, C.blocks).where(C.kind == "anchor"))
             return [key for key, needed in rows if not blocks.issuperset(needed)]
 
     def pinned_by(self, holder: str) -> list[str]:
         """Keys a holder (a job, for its hand-over) has a lease on, lapsed or not."""
-        with self.session() as s:
-            return [key for key, leases in s.execute(select(Entry.key, Entry.leases)) if holder in leases]
+        with self.engine.connect() as connection:
+            return [key for key, leases in connection.execute(select(C.key, C.leases)) if holder in leases]
 
     def summary(self) -> dict[str, Any]:
         """Entries and bytes by kind."""
-        with self.session() as s:
-            totals = select(Entry.kind, func.count(), func.coalesce(func.sum(Entry.size), 0)).group_by(Entry.kind)
-            rows = s.execute(totals)
-            return {kind: {"entries": n, "bytes": int(size)} for kind, n, size in rows}
+        totals = select(C.kind, func.count(), func.coalesce(func.sum(C.size), 0)).group_by(C.kind)
+        with self.engine.connect() as connection:
+            return {kind: {"entries": n, "bytes": int(size)} for kind, n, size in connection.execute(totals)}
 
     def close(self) -> None:
         self.engine.dispose()
 
 
-def _lock(s: Session, keys: list[str]) -> list[Entry]:
-    query = select(Entry).where(Entry.key.in_(sorted(keys))).order_by(Entry.key).with_for_update()
-    return list(s.scalars(query))
+def _key(entry: Record) -> str:
+    return entry.key
 
 
-def _copy(entry: Entry) -> Entry:
-    """A fresh instance to add (a retried transaction must not reuse one its failed session held)."""
-    return Entry(**{column.key: getattr(entry, column.key) for column in Entry.__table__.columns})
+def _record(connection: Connection, rows: list[dict[str, Any]]) -> set[str]:
+    known = _locked(connection, [row["key"] for row in rows])
+    new = [row for row in rows if row["key"] not in known]
+    if new:
+        connection.execute(insert(ENTRIES), new)
+    again = [row for row in rows if row["key"] in known]
+    for expires_at in {row["expires_at"] for row in again}:
+        _extend(connection, [row["key"] for row in again if row["expires_at"] == expires_at], expires_at)
+    _set_leases(connection, {row["key"]: {**known[row["key"]], **row["leases"]} for row in again if row["leases"]})
+    return {row["key"] for row in new}
+
+
+def _locked(connection: Connection, keys: list[str]) -> dict[str, dict[str, float]]:
+    """{key: leases} of those of these keys already recorded, locked (PostgreSQL: FOR UPDATE) in key
+    order, as every writer locks them, so that concurrent writers wait for each other and never
+    deadlock."""
+    return {key: leases for key, leases in connection.execute(LOCK, {"keys": sorted(keys)})}
+
+
+def _locked_with_blocks(connection: Connection, key: str) -> dict[str, dict[str, float]]:
+    """An anchor and its blocks, locked as `_locked` locks them ({} when the anchor is gone)."""
+    blocks = connection.scalar(BLOCKS_OF, {"key": key})
+    return {} if blocks is None else _locked(connection, [key, *blocks])
+
+
+def _extend(connection: Connection, keys: list[str], expires_at: float) -> None:
+    """These entries live until `expires_at` at least (never shorter than they already do)."""
+    if keys:
+        connection.execute(EXTEND, {"keys": keys, "until": expires_at})
+
+
+def _set_leases(connection: Connection, leases: dict[str, dict[str, float]]) -> None:
+    if leases:
+        connection.execute(SET_LEASES, [{"entry": key, "held": held} for key, held in leases.items()])

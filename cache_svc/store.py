@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cache_svc.catalog import Catalog, Entry
+from cache_svc.catalog import Catalog, Record
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
 from common import metrics
 from common.api import TENANT_PATTERN
@@ -114,7 +114,7 @@ class StateStore:
         blobs |= {block_key(links[i + 1]): block for i, block in enumerate(state.blocks)}
         keys = list(blobs)
         entries = [
-            Entry(
+            Record(
                 key=key,
                 kind="anchor" if i == 0 else "block",
                 tenant=tenant,
@@ -152,7 +152,7 @@ class StateStore:
         if not IMAGE_DIGEST.fullmatch(digest) or num_tokens < 1 or not rows:
             raise InvalidEntry("an image entry is rows for one or more positions, under a sha256 hex digest")
         now, key = self.clock(), image_key(namespace, digest)
-        entry = Entry(
+        entry = Record(
             key=key,
             kind="image",
             tenant=tenant,
@@ -183,7 +183,7 @@ class StateStore:
         now = self.clock()
         match = PrefixMatch()
         candidates = self.catalog.anchors_under([link.hex() for link in links], longest_allowed)
-        found: Entry | None = None
+        found: Record | None = None
         for n in sorted(set(candidates.values()), reverse=True):
             key = anchor_key(tokens[:n], namespace, links)
             if key not in candidates:  # another prompt's anchor of this length under the same link
@@ -376,7 +376,7 @@ class StateStore:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _read(self, entry: Entry) -> tuple[bytes | None, str | None]:
+    def _read(self, entry: Record) -> tuple[bytes | None, str | None]:
         """A blob from the fastest tier holding it, checked, and promoted to T1 on a lower-tier hit."""
         for level, tier in enumerate(self.tiers):
             with self._lock:
@@ -404,7 +404,7 @@ class StateStore:
             return data, None
         return None, "evicted"
 
-    def _lost(self, entry: Entry) -> bool:
+    def _lost(self, entry: Record) -> bool:
         """Whether a blob this replica cannot find is gone for good. With a shared tier, only if it
         had reached that tier: until its write-behind, it may be in the writer's own memory."""
         shared = [t.name for t in self.tiers if t.shared]

@@ -8,6 +8,8 @@ the engine's state becomes these bytes: tests/unit/test_state_transfer.py.)
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from cache_svc.catalog import Catalog
@@ -164,6 +166,28 @@ def test_a_lease_pins_an_entry_until_released_or_lapsed(tmp_path, database, cloc
     assert store.load(key, release="job-2") == (None, "lease_lost")
 
 
+def test_a_prefix_stored_again_keeps_its_bytes_both_leases_and_the_longer_life(tmp_path, database, clock):
+    """Two hand-overs of one prompt, or a prompt stored by a second replica: the known entries are
+    updated in place (not rewritten), each hand-over's pin holds until its own release, and the
+    entries live until the later of the two expiries, never the earlier."""
+    store = make_store(tmp_path, database, clock)
+    prompt = tokens(300)
+    first = store.put_prefix(NS, prompt, state_of(prompt), 100, lease_holder="job-1", lease_seconds=300)
+    again = store.put_prefix(NS, prompt, state_of(prompt), 10, lease_holder="job-2", lease_seconds=60)
+    assert again.key == first.key and first.new_bytes == first.size and again.new_bytes == 0
+    assert len(store) == 3 and store.expires_at(first.key) == clock.now + 100  # not cut to 10 s
+    assert store.load(first.key, release="job-2")[0] is not None
+    clock.now += 200  # past both TTLs and job-2's lease; job-1 still holds it
+    assert store.sweep() == 0 and store.load(first.key, release="job-1")[0] is not None
+    assert store.sweep() == 3 and len(store) == 0
+    later = store.put_prefix(NS, prompt, state_of(prompt), 50)
+    assert later.new_bytes == later.size  # gone, so stored anew
+    store.put_prefix(NS, prompt[:200], state_of(prompt[:200]), 500)  # shares the first block
+    clock.now += 100
+    assert store.sweep() == 2  # the 300-token head and its second block; the shared block lives on
+    assert store.lookup(NS, prompt, below=300).num_tokens == 200
+
+
 def test_full_tiers_demote_in_lru_order_and_only_the_last_tier_evicts(tmp_path, database, clock):
     shared = DirectoryTier(tmp_path / "shared", None, name="shared", shared=True)
     store = make_store(tmp_path, database, clock, shared=shared)
@@ -221,10 +245,12 @@ def test_another_replica_hits_through_the_shared_tier(tmp_path, database, clock,
     """Replicas with their own memory and disk, one catalog and one shared tier (a POSIX
     directory, or a real Redis server): what one stored, the other loads."""
 
+    redis_prefix = f"test:{uuid.uuid4().hex}:"  # this run's own: a run stopped midway leaves its keys
+
     def shared_tier():
         if backend == "directory":
             return DirectoryTier(tmp_path / "shared", None, name="shared", shared=True)
-        return RedisTier(require_service("DEEPMESH_REDIS_URL"), None, prefix=f"test:{tmp_path.name}:")
+        return RedisTier(require_service("DEEPMESH_REDIS_URL"), None, prefix=redis_prefix)
 
     a = make_store(tmp_path, database, clock, shared=shared_tier(), name="a")
     b = make_store(tmp_path, database, clock, shared=shared_tier(), name="b")
@@ -262,10 +288,12 @@ def test_image_rows_go_through_every_tier_as_prefixes_do(tmp_path, database, clo
     disk and the shared tier, back exactly after a restart and from another replica, renewed and
     expired like a prefix, and never one tenant's answer to another's."""
 
+    redis_prefix = f"test:{uuid.uuid4().hex}:"  # this run's own: a run stopped midway leaves its keys
+
     def shared_tier():
         if backend == "directory":
             return DirectoryTier(tmp_path / "shared", None, name="shared", shared=True)
-        return RedisTier(require_service("DEEPMESH_REDIS_URL"), None, prefix=f"test:{tmp_path.name}:")
+        return RedisTier(require_service("DEEPMESH_REDIS_URL"), None, prefix=redis_prefix)
 
     digest, rows = "ab" * 32, bytes(range(256)) * 40
     store = make_store(tmp_path, database, clock, shared=shared_tier(), name="a")
