@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,8 @@ class Catalog:
         """Record an anchor and its blocks; returns the keys of those that were not known yet
         (the only ones whose bytes need storing). A known entry keeps its bytes and lives as long
         as its longest-lived anchor; a lease is added to the ones it already has."""
-        rows = [{name: getattr(entry, name) for name in RECORD_FIELDS} for entry in sorted([anchor, *blocks], key=_key)]
+        entries = sorted([anchor, *blocks], key=attrgetter("key"))
+        rows = [{name: getattr(entry, name) for name in RECORD_FIELDS} for entry in entries]
         for attempt in range(3):
             try:
                 with self.engine.begin() as connection:
@@ -223,11 +225,8 @@ class Catalog:
         self.engine.dispose()
 
 
-def _key(entry: Record) -> str:
-    return entry.key
-
-
 def _record(connection: Connection, rows: list[dict[str, Any]]) -> set[str]:
+    """Insert the rows not recorded yet and extend the ones that are; the keys inserted."""
     known = _locked(connection, [row["key"] for row in rows])
     new = [row for row in rows if row["key"] not in known]
     if new:
