@@ -186,8 +186,9 @@ _engine = None  # the engine alone, in a process of its own, loaded by the first
 
 
 def alone_ttft(model: Path, threads: int, prompt: list[int]) -> float:
-    """In the engine's own process (not the mesh's, whose threads would hold its interpreter lock):
-    ms from `generate` to its one token, on `threads` torch threads (the served prefill's)."""
+    """In a process the mesh does not run in (its threads would hold the interpreter lock): the pairs'
+    engine process, or this one before any mesh starts (`engine_alone`). ms from `generate` to its
+    one token, on `threads` torch threads (the served prefill's); the engine is loaded once a process."""
     import torch
 
     from engine import LLMEngine, SamplingParams
