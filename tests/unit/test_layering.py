@@ -6,17 +6,27 @@ names given to importlib.import_module) and holds each first-party import agains
 An import that crosses a boundary fails here, not in a deployment (a cache host without
 torch, a gateway image without the model code), and a new edge needs a row that says why.
 
-The second imports a service's modules in a fresh interpreter and lists what came along:
-what a module imports in turn, third-party packages included.
+The second (tests/integration/test_import_boundaries.py) imports a service's modules in a fresh
+interpreter and lists what came along: what a module imports in turn, third-party packages included.
 
-The third holds engine.LLMEngine against what the workers' base class asks of it.
+The third holds every third-party import of the installed packages against what `pip install
+deepmesh` installs (the Dockerfile's install: no extras), read from the distributions' own
+metadata: a library that only the test extra brought along fails here, not in the image.
+
+The fourth holds engine.LLMEngine against what the workers' base class asks of it.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import inspect
+import sys
+import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (
@@ -170,6 +180,70 @@ def test_the_table_catches_a_forbidden_import():
     assert allowed("prefill_svc", "engine") and not allowed("prefill_svc", "engine.llm_engine")
     assert allowed("prefill_svc", "common.worker") and not allowed("prefill_svc", "cache_svc.client")
     assert not allowed("cache_svc", "engine") and not allowed("common", "common_extra")
+
+
+def installed_packages() -> list[str]:
+    """The packages `pip install deepmesh` installs (pyproject.toml's `packages.find`)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    return sorted(p.removesuffix("*") for p in patterns)
+
+
+def runtime_distributions(project: str = "deepmesh") -> set[str]:
+    """Every distribution that installing `project` without extras brings: its requirements and
+    theirs, each with the extras asked of it (`psycopg[binary]`), markers evaluated here."""
+    wanted: list[tuple[str, frozenset[str]]] = [(project, frozenset())]
+    found: set[tuple[str, frozenset[str]]] = set()
+    while wanted:
+        name, extras = wanted.pop()
+        if (name, extras) in found:
+            continue
+        found.add((name, extras))
+        for line in importlib.metadata.requires(name) or []:
+            requirement = Requirement(line)
+            marker = requirement.marker
+            if marker is None or any(marker.evaluate({"extra": extra}) for extra in extras | {""}):
+                wanted.append((canonicalize_name(requirement.name), frozenset(requirement.extras)))
+    return {name for name, _ in found} - {project}
+
+
+def third_party_imports(packages: list[str]) -> dict[str, list[str]]:
+    """Top-level module -> where it is imported, for every import outside the standard library and
+    the project in `packages`' modules (inside functions too: a command's lazy import is as needed)."""
+    first_party = set(ALLOWED)
+    where: dict[str, list[str]] = {}
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line, module in imports_of(path):
+                top = module.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in first_party and top != "__future__":
+                    where.setdefault(top, []).append(f"{path.relative_to(ROOT)}:{line}")
+    return where
+
+
+def test_every_third_party_import_is_installed_without_extras():
+    """`pip install .` (the Dockerfile's) must bring every library the services import: the test
+    extra (transformers, httpx, ...) is on every developer's machine and in no image. A module
+    that several distributions provide (opentelemetry) needs one of them."""
+    runtime = runtime_distributions()
+    provided = importlib.metadata.packages_distributions()
+    packages = installed_packages()
+    assert set(packages) <= set(PACKAGES), "a package installed but not checked: add it to PACKAGES"
+    missing = [
+        f"{module} ({', '.join(provided.get(module, ['no distribution']))}), imported at {', '.join(where[:3])}"
+        for module, where in sorted(third_party_imports(packages).items())
+        if not {canonicalize_name(d) for d in provided.get(module, [])} & runtime
+    ]
+    assert missing == [], "imported, but not installed by pyproject.toml's dependencies:\n" + "\n".join(missing)
+
+
+def test_the_runtime_set_leaves_the_test_extra_out():
+    """The check itself: the closure follows requirements and their extras, and no test-only one."""
+    runtime = runtime_distributions()
+    assert {"torch", "fastapi", "starlette", "psycopg", "psycopg-binary", "kafka-python"} <= runtime
+    assert not {"transformers", "pytest", "openai", "schemathesis"} & runtime
+    probe = third_party_imports(["tests"])
+    assert "pytest" in probe and "common" not in probe and "json" not in probe
 
 
 def test_the_engine_has_what_its_workers_ask_of_it():
