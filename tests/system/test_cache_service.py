@@ -137,3 +137,29 @@ def test_celery_beat_runs_the_write_behind_and_cache_stats_shows_it(cache):
     ).stdout
     assert "disk" in shown and "memory" in shown and "anchors" in shown and "blocks" in shown
     assert "deepmesh_cache_misses_total{reason=shorter_than_block}" in shown
+
+
+def test_a_cache_that_is_away_is_a_miss_and_a_restarted_one_is_found_again(tmp_path):
+    """What a replica's client does when the cache service is killed: every call answers as a miss
+    (nothing raises into the request), and once a new process listens on the same address, the
+    client's pooled connections to the dead one are replaced, not reused: its next calls work."""
+    env = {**os.environ, "DEEPMESH_DATABASE_URL": fresh_database(tmp_path)}
+    service = CacheProcess(tmp_path, env, "cache").start()
+    client = StateClient(service.url)
+    try:
+        stored = client.put_prefix(NS, tokens(300), state_of(tokens(300)), 600)
+        assert stored is not None and client.lookup(NS, tokens(310), below=310).key == stored.key
+        service.process.kill()
+        service.process.wait(timeout=30)
+        assert client.lookup(NS, tokens(310), below=310).miss_reason == "unreachable"
+        assert client.load(stored.key) == (None, "unreachable")
+        assert client.put_prefix(NS, tokens(300), state_of(tokens(300)), 600) is None
+        assert client.renew(stored.key, 60) is None and client.lease(stored.key, "job-1", 60) is False
+        assert client.stats() is None
+        service.start()
+        again = client.put_prefix(NS, tokens(300), state_of(tokens(300)), 600)
+        assert again is not None and again.key == stored.key
+        assert client.load(again.key) == (state_of(tokens(300)), None)
+    finally:
+        client.close()
+        service.stop()
