@@ -26,8 +26,11 @@ class StateClient:
         # connections kept for the fetch threads that call at once; one more is opened when all
         # are busy. No retries: a call that fails is a miss, as a cache that is away
         self.http = urllib3.connection_from_url(
-            base_url.rstrip("/"), maxsize=POOL_SIZE, timeout=urllib3.Timeout(total=timeout), retries=False
+            base_url, maxsize=POOL_SIZE, timeout=urllib3.Timeout(total=timeout), retries=False
         )
+        # the URL's own path, if any (a cache behind a proxy, under /cache): the pool keeps only
+        # the host, so every call's path starts with it
+        self.base_path = (urllib3.util.parse_url(base_url).path or "").rstrip("/")
 
     def put_prefix(
         self,
@@ -68,7 +71,9 @@ class StateClient:
         if release is not None:
             params["release"] = release
         try:
-            response = self.http.request("GET", f"/v1/prefix/{key}", fields=params, headers=_trace_headers())
+            response = self.http.request(
+                "GET", f"{self.base_path}/v1/prefix/{key}", fields=params, headers=_trace_headers()
+            )
         except urllib3.exceptions.HTTPError as err:
             log.warning("cache load %s failed: %r", key, err)
             return None, "unreachable"
@@ -112,7 +117,7 @@ class StateClient:
         """The JSON answer of a 2xx, else None (logged: the caller treats it as a miss)."""
         headers = {**_trace_headers(), **(headers or {})}
         try:
-            response = self.http.request(method, path, body=content, json=json, headers=headers)
+            response = self.http.request(method, self.base_path + path, body=content, json=json, headers=headers)
         except urllib3.exceptions.HTTPError as err:
             log.warning("cache %s %s failed: %r", method, path, err)
             return None

@@ -3,10 +3,12 @@ stats`, and its maintenance run by a real Celery worker and beat over the stack'
 
 from __future__ import annotations
 
+import http.server
 import inspect
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -163,3 +165,46 @@ def test_a_cache_that_is_away_is_a_miss_and_a_restarted_one_is_found_again(tmp_p
     finally:
         client.close()
         service.stop()
+
+
+def test_a_cache_url_with_a_path_keeps_it_on_every_call():
+    """A cache behind a proxy, under a path of its own (DEEPMESH_CACHE_URL=http://proxy/cache): each
+    call goes to that path, not to the host's root. The proxy here is a plain HTTP server that
+    records what it was asked and answers as the cache would for a key it does not hold."""
+    asked: list[tuple[str, str]] = []
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            asked.append((self.command, self.path))
+            body = b'{"error": {"type": "evicted", "message": "not held"}}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_DELETE = answer
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = StateClient(f"http://127.0.0.1:{server.server_port}/cache/")
+    try:
+        assert client.lookup(NS, tokens(310), below=310).miss_reason == "unreachable"  # any 4xx: a miss
+        assert client.load("anchor-1", renew_seconds=5) == (None, "evicted")
+        assert client.renew("anchor-1", 60) is None
+        client.delete("anchor-1")
+    finally:
+        client.close()
+        server.shutdown()
+    assert [path.split("?")[0] for _, path in asked] == [
+        "/cache/v1/prefix/lookup",
+        "/cache/v1/prefix/anchor-1",
+        "/cache/v1/prefix/anchor-1/renew",
+        "/cache/v1/prefix/anchor-1",
+    ]
+    assert [method for method, _ in asked] == ["POST", "GET", "POST", "DELETE"]
+    assert asked[1][1].endswith("?renew_seconds=5")
