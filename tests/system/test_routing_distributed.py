@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -298,23 +299,39 @@ def test_over_the_admission_bound_a_call_is_refused_with_429_and_async_jobs_wait
         job_ids = list(pool.map(submit, range(12)))
     # the soonest any replica could start a call is what admission weighs: every one busy
     eventually(lambda: every_replica_busy(queued()), 60, "the jobs never reached both prefill replicas")
+
+    def refused_while_the_queue_is_deep(call: Callable[[], object], refusal: type[Exception], gave_up: type[Exception]):
+        """Calls until one is refused. One that is not was admitted before its gateway had the
+        reports that show the queue: it waits in it, and the client gives up after a second. Each
+        such call must have met every replica busy, or the queue drained before any refusal."""
+        seen = []
+        while True:
+            try:
+                call()
+            except refusal as err:
+                return err
+            except gave_up:
+                pass
+            seen.append(queued())
+            assert every_replica_busy(seen[-1]), f"never refused while the queue was deep: {seen}"
+
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=1.0)
-    refused, seen = None, []
-    while refused is None:
-        try:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        except openai.RateLimitError as err:
-            refused = err
-        except openai.APITimeoutError:
-            pass  # admitted before its gateway had the reports that show the queue: it waits in it
-        seen.append(queued())
-        assert refused or every_replica_busy(seen[-1]), f"never refused while the queue was deep: {seen}"
+    refused = refused_while_the_queue_is_deep(
+        lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2),
+        openai.RateLimitError,
+        openai.APITimeoutError,
+    )
     assert int(refused.response.headers["retry-after"]) >= 1
     assert refused.body["type"] == "rate_limit_error" and "busy" in refused.body["message"]
-    messages = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
-    with pytest.raises(anthropic.RateLimitError) as raised:
-        messages.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
-    assert raised.value.body["error"]["type"] == "rate_limit_error"
+    # the Anthropic SDK's refusal, with the same allowance: a single call, with the SDK's own time
+    # limit (10 minutes), was once admitted and waited its turn
+    messages = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=1.0)
+    raised = refused_while_the_queue_is_deep(
+        lambda: messages.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]),
+        anthropic.RateLimitError,
+        anthropic.APITimeoutError,
+    )
+    assert raised.body["error"]["type"] == "rate_limit_error"
     for job_id in job_ids:
         assert wait_for_status(url, job_id, {"succeeded", "failed"}, timeout=300)["status"] == "succeeded"
     patient = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
