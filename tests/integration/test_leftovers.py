@@ -51,3 +51,42 @@ def test_the_stacks_own_processes_are_left_alone(tmp_path):
     finally:
         broker.kill()
         broker.wait()
+
+
+def test_the_end_of_a_run_deletes_its_topics_but_not_those_a_live_consumer_reads():
+    """What a run leaves on the stack's broker is deleted at its end: the topics and groups that
+    appeared since it started, which may be another run's (a second pytest beside `make test`, whose
+    clusters then lost their topics mid-test). A topic that a live consumer subscribes to stays, and
+    its group; the rest go. Only this test's names are deleted here (`only`): the other tests of
+    this run are running beside it."""
+    from kafka.admin import KafkaAdminClient
+
+    from common.bus import KafkaBus
+    from tests.support.infra import BrokerNames, require_service
+
+    bootstrap = require_service("DEEPMESH_KAFKA_BOOTSTRAP")
+    names = BrokerNames(bootstrap)
+    prefix = f"ends{uuid.uuid4().hex[:8]}."
+    bus = KafkaBus(bootstrap, client_id="tests-cleanup-check")
+    read, unread, done = f"{prefix}read", f"{prefix}unread", f"{prefix}done"
+    bus.create_topics([read, unread, done], partitions=1)
+    reader = bus.consumer([read], f"{prefix}reader")
+    reader.wait_assigned(timeout=60)
+    finished = bus.consumer([done], f"{prefix}finished")
+    finished.wait_assigned(timeout=60)
+    finished.close()  # its member leaves the group
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        assert names.delete_new(only=lambda name: name.startswith(prefix)) is None
+        deadline = time.monotonic() + 30
+        while {unread, done} & set(admin.list_topics()):  # deletion is asynchronous
+            assert time.monotonic() < deadline, "the topics nobody reads were not deleted"
+            time.sleep(0.2)
+        assert read in admin.list_topics()
+        groups = {group["group_id"] for group in admin.list_groups()}
+        assert f"{prefix}reader" in groups and f"{prefix}finished" not in groups
+    finally:
+        reader.close()
+        bus.close()
+        assert names.delete_new(only=lambda name: name.startswith(prefix)) is None
+        admin.close()

@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kafka.admin import KafkaAdminClient
 
 # How long a consumer the tests kill or stop keeps its partitions before the group moves them: the
@@ -29,9 +31,10 @@ STOPPED_MEMBER_SESSION_MS = 6_000
 
 class BrokerNames:
     """The topics and consumer groups on the stack's broker when a run starts: at its end, those
-    that appeared during the run (its tests', or those of anything else using the stack's broker
-    meanwhile) are deleted, so that runs do not pile them up: a broker restarted after a SIGKILL,
-    as the chaos test does, recovers every partition it holds before it answers."""
+    that appeared during the run are deleted, so that runs do not pile them up: a broker restarted
+    after a SIGKILL, as the chaos test does, recovers every partition it holds before it answers.
+    What appeared during the run may be another run's too (a second pytest beside `make test`):
+    a topic that a live consumer subscribes to stays, as does a group that has members."""
 
     def __init__(self, bootstrap: str):
         self.bootstrap = bootstrap
@@ -59,17 +62,30 @@ class BrokerNames:
         finally:
             admin.close()
 
-    def delete_new(self) -> str | None:
-        """Delete what the run made; what went wrong, if anything did."""
+    @staticmethod
+    def _subscribed(admin: KafkaAdminClient, groups: set[str]) -> set[str]:
+        """The topics that some live member of these groups subscribes to."""
+        described = admin.describe_groups(sorted(groups)) if groups else {}
+        return {
+            topic
+            for group in described.values()
+            for member in group.get("members") or []
+            for topic in (member.get("member_metadata") or {}).get("topics") or []
+        }
+
+    def delete_new(self, only: Callable[[str], bool] = lambda name: True) -> str | None:
+        """Delete what appeared since (of it, the names `only` accepts) and nobody reads; what went
+        wrong, if anything did."""
         from kafka.errors import KafkaError
 
         try:
             topics, groups = self._names()
             admin = self._admin()
             try:
-                if new_groups := sorted(groups - self.groups):
+                if new_groups := sorted(g for g in groups - self.groups if only(g)):
                     admin.delete_groups(new_groups)  # a group that still has members stays
-                if new_topics := sorted(topics - self.topics):
+                read = self._subscribed(admin, groups)
+                if new_topics := sorted(t for t in topics - self.topics if only(t) and t not in read):
                     admin.delete_topics(new_topics)
             finally:
                 admin.close()
