@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from deepmesh import __version__
 
@@ -435,6 +436,46 @@ def _keys_required(settings, host: str) -> bool:
     return settings.require_keys or not loopback
 
 
+# How long a stopping service may take beyond its drain. With the broker or the database away,
+# closing waits out kafka-python's and the connection pool's own timeouts: a gateway stopped beside
+# a frozen broker took 57 s to exit, prefill and decode beside a stopped stack 25 s, where an
+# orchestrator sends SIGKILL after 10 (Docker) or 30 (Kubernetes). Nothing is lost by not waiting:
+# what a process had not committed, the next owner of its partitions does again.
+STOP_GRACE_SECONDS = 5.0
+
+
+def _exit_if_stopping_takes(seconds: float, name: str) -> None:
+    """From now on, exit after `seconds`, whatever the process is still waiting for."""
+    import threading
+
+    def exit_now() -> None:
+        print(
+            f"deepmesh {name}: still stopping after {seconds:g} s (the broker or the database away?): exiting "
+            "now; what it had not committed is done again by the next owner of its work",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    timer = threading.Timer(seconds, exit_now)
+    timer.daemon = True
+    timer.start()
+
+
+def _serve_http(app: Any, host: str, port: int, drain_seconds: float, name: str) -> None:
+    """uvicorn, stopping within its drain and STOP_GRACE_SECONDS of the first SIGTERM or SIGINT."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                _exit_if_stopping_takes(drain_seconds + STOP_GRACE_SECONDS, name)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_seconds)
+    Server(config).run()
+
+
 def _service(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -457,6 +498,8 @@ def _service(args: argparse.Namespace) -> int:
         if args.dir is not None:
             settings.cache_dir = str(args.dir)
         store = StateStore.from_settings(settings)
+        # not bounded by STOP_GRACE_SECONDS: stopping, it writes its memory tier's pending
+        # write-behind to disk, which takes as long as that is large
         uvicorn.run(
             create_cache_app(store),
             host=args.host,
@@ -492,9 +535,7 @@ def _service(args: argparse.Namespace) -> int:
             responses_keep_seconds=settings.responses_keep_seconds,
         )
         print(f"deepmesh gateway on http://{args.host}:{args.port}/v1", file=sys.stderr)
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=settings.drain_seconds
-        )
+        _serve_http(app, args.host, args.port, settings.drain_seconds, "gateway")
         return 0
     replicas = _replica_table(bus, settings.topic_prefix)
     compile_decode = _compile_decode(args, settings) if args.command == "decode" else False
@@ -508,8 +549,14 @@ def _service(args: argparse.Namespace) -> int:
 
         start_http_server(metrics_port, addr=settings.metrics_host)
     stop = threading.Event()
+
+    def stopping(*_: Any) -> None:
+        if not stop.is_set():  # a worker does not drain: what it had not committed is done again
+            _exit_if_stopping_takes(STOP_GRACE_SECONDS, args.command)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stopping)
     print(f"deepmesh {args.command} worker running", file=sys.stderr)
     worker.run(stop)
     bus.close()

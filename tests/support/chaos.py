@@ -9,6 +9,7 @@ compared with the same greedy request computed in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +87,18 @@ def restart_broker(down_seconds: float = 2.0) -> None:
         time.sleep(0.1)
     time.sleep(down_seconds)
     subprocess.run([str(ROOT / "scripts" / "stack"), "up"], check=True, capture_output=True, timeout=180)
+
+
+@contextlib.contextmanager
+def broker_frozen() -> Iterator[None]:
+    """The stack's broker stopped (SIGSTOP), then continued: connections to it stay open, and
+    nothing answers on them, as across a network partition."""
+    pid = int((ROOT / ".cache" / "stack" / "kafka.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def _alive(pid: int) -> bool:

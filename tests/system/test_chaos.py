@@ -6,6 +6,9 @@ runs the same harness longer, with two replicas of each worker and random faults
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 from tests.support.chaos import Faults, Outcome, body, expected_answers, run_jobs, run_streams, start_cluster, summary
@@ -36,3 +39,41 @@ def test_streams_and_jobs_survive_every_kind_of_kill_and_a_broker_restart(model,
     assert job_faults.done == ["gateway", "decode"]
     assert streams.sent >= 22 and streams.completed == streams.sent, f"{streams.line()}: {streams.problems}"
     assert (jobs.completed, jobs.sent) == (8, 8), f"{jobs.line()}: {jobs.problems}"
+
+
+def test_services_stopped_while_the_broker_is_frozen_exit_within_their_grace(model, tmp_path):
+    """An orchestrator stops services when the broker has gone away (a partition, a node lost): it
+    sends SIGTERM, and SIGKILL after its own grace (Docker's 10 s). The broker here is frozen
+    (SIGSTOP: connections stay open and nothing answers). Each service exits within its drain and
+    STOP_GRACE_SECONDS instead of waiting out its Kafka client's timeouts (the gateway took 22 s,
+    prefill and decode 25 s, with the stack stopped); what it had not committed is done again."""
+    from deepmesh.cli import STOP_GRACE_SECONDS
+    from tests.support.chaos import broker_frozen
+    from tests.support.cluster import Cluster
+    from tests.support.infra import wait_until_up
+
+    require_service("DEEPMESH_KAFKA_BOOTSTRAP")
+    cluster = Cluster(tmp_path, model)
+    cluster.env |= {"DEEPMESH_DRAIN_SECONDS": "2", "DEEPMESH_COMPILE_DECODE": "false"}
+    gateway = cluster.spawn("gateway", "--port", str(cluster.gateway_port))
+    workers = [cluster.spawn(name) for name in ("tokenizer", "decode")]
+    try:
+        wait_until_up(f"{cluster.url}/healthz", [gateway, *workers], 120, f"see {tmp_path}")
+        logs = [tmp_path / f"{name}-{i + 1}.log" for i, name in enumerate(("tokenizer", "decode"))]
+        deadline = time.monotonic() + 120
+        while not all("worker running" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline and all(w.poll() is None for w in workers), f"see {tmp_path}"
+            time.sleep(0.2)
+        time.sleep(2)  # past their start: polling, heartbeats and reports under way
+        with broker_frozen():
+            time.sleep(3)  # their requests to it are under way and unanswered
+            stopped = time.monotonic()
+            for process in (gateway, *workers):
+                process.send_signal(signal.SIGTERM)
+            took = []
+            for process in (gateway, *workers):
+                process.wait(timeout=60)
+                took.append(time.monotonic() - stopped)
+    finally:
+        cluster.stop()
+    assert max(took) < 2 + STOP_GRACE_SECONDS + 3, f"exited after {took} s (see {tmp_path})"
