@@ -45,8 +45,9 @@ def test_services_stopped_while_the_broker_is_frozen_exit_within_their_grace(mod
     """An orchestrator stops services when the broker has gone away (a partition, a node lost): it
     sends SIGTERM, and SIGKILL after its own grace (Docker's 10 s). The broker here is frozen
     (SIGSTOP: connections stay open and nothing answers). Each service exits within its drain and
-    STOP_GRACE_SECONDS instead of waiting out its Kafka client's timeouts (the gateway took 22 s,
-    prefill and decode 25 s, with the stack stopped); what it had not committed is done again."""
+    STOP_GRACE_SECONDS instead of waiting out its Kafka client's timeouts (here, before that bound,
+    the gateway took 57 s; with the stack stopped, prefill and decode 25 s); what it had not
+    committed is done again."""
     from deepmesh.cli import STOP_GRACE_SECONDS
     from tests.support.chaos import broker_frozen
     from tests.support.cluster import Cluster
