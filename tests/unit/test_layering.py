@@ -23,6 +23,7 @@ import importlib.metadata
 import inspect
 import sys
 import tomllib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -150,15 +151,21 @@ def test_every_package_has_a_row():
     assert top_level_packages() <= set(ALLOWED), "a new top-level package: give it a row in ALLOWED"
 
 
+def imports_in_packages(packages: Iterable[str]) -> Iterator[tuple[str, str, str]]:
+    """(package, `path:line`, module) of every import in every module of these packages."""
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line, module in imports_of(path):
+                yield package, f"{path.relative_to(ROOT)}:{line}", module
+
+
 def test_every_first_party_import_is_in_the_table():
     first_party = set(ALLOWED)
     crossing = []
-    for package in sorted(top_level_packages() & first_party):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            for line, module in imports_of(path):
-                top = module.split(".")[0]
-                if top in first_party and top != package and not allowed(package, module):
-                    crossing.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    for package, where, module in imports_in_packages(sorted(top_level_packages() & first_party)):
+        top = module.split(".")[0]
+        if top in first_party and top != package and not allowed(package, module):
+            crossing.append(f"{where} imports {module}")
     assert crossing == [], "imports outside ALLOWED:\n" + "\n".join(crossing)
 
 
@@ -211,14 +218,12 @@ def third_party_imports(packages: list[str]) -> dict[str, list[str]]:
     """Top-level module -> where it is imported, for every import outside the standard library and
     the project in `packages`' modules (inside functions too: a command's lazy import is as needed)."""
     first_party = set(ALLOWED)
-    where: dict[str, list[str]] = {}
-    for package in packages:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            for line, module in imports_of(path):
-                top = module.split(".")[0]
-                if top not in sys.stdlib_module_names and top not in first_party and top != "__future__":
-                    where.setdefault(top, []).append(f"{path.relative_to(ROOT)}:{line}")
-    return where
+    found: dict[str, list[str]] = {}
+    for _, where, module in imports_in_packages(packages):
+        top = module.split(".")[0]
+        if top not in sys.stdlib_module_names and top not in first_party and top != "__future__":
+            found.setdefault(top, []).append(where)
+    return found
 
 
 def test_every_third_party_import_is_installed_without_extras():
