@@ -78,9 +78,14 @@ def replace(cluster: Cluster, kind: str) -> None:
         cluster.spawn(kind)
 
 
+def _broker_pid() -> int:
+    """The stack's broker, as scripts/stack recorded it."""
+    return int((ROOT / ".cache" / "stack" / "kafka.pid").read_text())
+
+
 def restart_broker(down_seconds: float = 2.0) -> None:
     """SIGKILL the stack's broker and start it again (scripts/stack up starts what is not running)."""
-    pid = int((ROOT / ".cache" / "stack" / "kafka.pid").read_text())
+    pid = _broker_pid()
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while _alive(pid) and time.monotonic() < deadline:
@@ -93,7 +98,7 @@ def restart_broker(down_seconds: float = 2.0) -> None:
 def broker_frozen() -> Iterator[None]:
     """The stack's broker stopped (SIGSTOP), then continued: connections to it stay open, and
     nothing answers on them, as across a network partition."""
-    pid = int((ROOT / ".cache" / "stack" / "kafka.pid").read_text())
+    pid = _broker_pid()
     os.kill(pid, signal.SIGSTOP)
     try:
         yield
