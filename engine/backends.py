@@ -183,9 +183,16 @@ PICKS_PER_EXPERT = 16
 _tracing = threading.local()  # .picks_per_expert on a thread tracing graphs of another limit
 
 
-@torch.compiler.assume_constant_result  # read once as a graph is traced: a constant of the graph, no guard
-def _traced_picks_per_expert() -> int:
+def _traced_picks_per_expert() -> int:  # read once as a graph is traced: see mark_graph_constants
     return getattr(_tracing, "picks_per_expert", PICKS_PER_EXPERT)
+
+
+def mark_graph_constants() -> None:
+    """Tell Dynamo that `_traced_picks_per_expert` is read once as a graph is traced: a constant of
+    the graph, with no guard. Called where graphs are made (compiled_decode.compile_only), not as a
+    decorator at import: marking imports Dynamo and Inductor, 1.5 s of every process that imports
+    the engine, where most never compile (eager services, the CLI's eager commands, the tests)."""
+    torch.compiler.assume_constant_result(_traced_picks_per_expert)
 
 
 @contextlib.contextmanager

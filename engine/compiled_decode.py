@@ -34,6 +34,7 @@ from typing import NamedTuple, Self
 
 import torch
 
+from engine.backends import mark_graph_constants
 from engine.model import DeepseekV4ForCausalLM, StepInput
 from engine.model.dspark import draft_blocks
 from engine.model.v41 import DeepseekV41ForCausalLM
@@ -164,6 +165,7 @@ def compile_only(backend: str | Callable) -> Callable[[torch.fx.GraphModule, lis
     compiling thread makes the graph and Dynamo's code for it, and the engine's thread runs it."""
     from torch._dynamo.backends.registry import lookup_backend
 
+    mark_graph_constants()
     compile_graph = lookup_backend(backend)
 
     def compile_and_guard(graph: torch.fx.GraphModule, example_inputs: list) -> Callable[..., object]:

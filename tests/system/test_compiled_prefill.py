@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from engine import LLMEngine, SamplingParams, compiled_prefill
 from engine.compiled_prefill import row_groups, token_buckets
@@ -64,6 +65,11 @@ def compiled_engine(model, monkeypatch: pytest.MonkeyPatch, **options) -> LLMEng
     # grouped, as eager does, not a pick at a time as a decode graph does (compiled_prefill.PICKS_PER_EXPERT)
     calls = [node.target for graph in traced for node in graph.graph.nodes if node.op == "call_function"]
     assert any("grouped_mm" in str(call) for call in calls) and torch.bmm not in calls
+    # that limit is a constant of each graph (backends.mark_graph_constants), not guarded: a guard on
+    # the tracing thread's limit would fail on the engine's thread, and the piece would run eager
+    for graph in engine.compiled_prefill._graphs.values():
+        for entry in _debug_get_cache_entry_list(graph._torchdynamo_orig_callable.__code__):
+            assert "_tracing" not in str(entry.guard_manager)
     return engine
 
 
