@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
 from engine.config_v41 import MODEL_TYPE as V41_MODEL_TYPE
 from engine.config_v41 import V41Config
 from engine.errors import UnsupportedCheckpointError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 AnyConfig = ModelConfig | V41Config
 MODEL_TYPES = ("deepseek_v4", V41_MODEL_TYPE)

@@ -42,3 +42,16 @@ def imported_modules(*modules: str) -> set[str]:
 def test_a_service_imports_nothing_below_its_boundary(modules, forbidden):
     imported = imported_modules(*modules)
     assert {name for name in forbidden if any(m == name or m.startswith(name + ".") for m in imported)} == set()
+
+
+def test_the_tokenizer_reads_a_checkpoint_without_loading_torch(tiny_v41_preset):
+    """The tokenizer service reads a checkpoint's config (engine.families: its family, context
+    length, EOS ids, vision geometry) and nothing of the model: importing torch for it cost each
+    tokenizer process 2.3 CPU-seconds to start, and the memory torch holds."""
+    code = (
+        "import sys; from tokenizer_svc.protocol import Codec; "
+        f"codec = Codec.for_model({str(tiny_v41_preset)!r}, 'model'); "
+        "print(codec.images is not None, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert found == ["True", "[]"]
