@@ -155,6 +155,19 @@ class _NotRun(Exception):
 _only_compiling = threading.local()  # .active on the thread compiling graphs: it runs none of them
 
 
+def _trace_inductors_dummy_module() -> None:
+    """Inductor traces one function with torch.fx's symbolic tracer once a process, as it lowers its
+    first graph (the dummy module of torch._inductor.loop_body.InterpreterShim, cached). That
+    tracer replaces nn.Module.__call__ process-wide for its ~3 ms: an eager step on the engine's
+    thread meanwhile failed (NameError: module is not installed as a submodule), and its jobs were
+    done again. Done here, on the thread that makes the engine, before any step runs beside the
+    compiling thread. A torch without that function loses only this."""
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch._inductor.loop_body import InterpreterShim
+
+        InterpreterShim._dummy_gm()
+
+
 def compile_only(backend: str | Callable) -> Callable[[torch.fx.GraphModule, list], Callable[..., object]]:
     """`backend`, whose graphs refuse to run (_NotRun) on a thread that only compiles.
 
@@ -166,6 +179,7 @@ def compile_only(backend: str | Callable) -> Callable[[torch.fx.GraphModule, lis
     from torch._dynamo.backends.registry import lookup_backend
 
     mark_graph_constants()
+    _trace_inductors_dummy_module()
     compile_graph = lookup_backend(backend)
 
     def compile_and_guard(graph: torch.fx.GraphModule, example_inputs: list) -> Callable[..., object]:
