@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 
 from cache_svc import wire
 from cache_svc.maintenance import TASKS, run_task
-from cache_svc.store import InvalidEntry, StateStore, checksum_of
+from cache_svc.store import InvalidEntry, StateStore
 from common.cache_entries import StateBlobs
 from common.tracing import http_telemetry
 
@@ -120,7 +120,7 @@ def create_app(store: StateStore) -> FastAPI:
         if state is None:
             return _error(404, reason or "evicted", f"no usable state {key!r}: {reason}")
         data = wire.pack([state.head, *state.blocks])
-        return Response(data, media_type="application/octet-stream", headers={"X-Checksum": checksum_of(data)})
+        return Response(data, media_type="application/octet-stream", headers={"X-Checksum": wire.checksum_of(data)})
 
     @app.post("/v1/prefix/{key}/renew")
     async def renew(key: str, body: Renewal) -> Response:

@@ -15,7 +15,6 @@ import urllib3
 from opentelemetry import propagate
 
 from cache_svc import wire
-from cache_svc.store import checksum_of
 from common.cache_entries import PrefixMatch, StateBlobs, Stored
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ class StateClient:
             return None, "unreachable"
         if response.status != 200:
             return None, _error_type(response) or "evicted"
-        if checksum_of(response.data) != response.headers.get("X-Checksum"):
+        if wire.checksum_of(response.data) != response.headers.get("X-Checksum"):
             return None, "corrupt"
         try:
             parts, _ = wire.unpack(response.data)

@@ -20,7 +20,6 @@ is in flight: pinned entries are not evicted or expired until the lease is relea
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import socket
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from cache_svc.catalog import Catalog, Record
 from cache_svc.tiers import DirectoryTier, MemoryTier, RedisTier, Tier
+from cache_svc.wire import checksum_of
 from common import metrics
 from common.api import TENANT_PATTERN
 from common.blocks import BLOCK_SIZE
@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 # Assumed read speeds (bytes/s) until a tier has been measured, for load-or-recompute.
 ASSUMED_READ_SPEED = {"memory": 5e9, "disk": 1e9}
 DEFAULT_READ_SPEED = 2e8
-
-
-def checksum_of(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 class InvalidEntry(ValueError):

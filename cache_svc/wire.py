@@ -10,11 +10,17 @@ blocks it has; the parts are opaque bytes (the engine's, see engine/state_transf
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 64 << 20  # a million-token prompt's ids as JSON, with room to spare
+
+
+def checksum_of(data: bytes) -> str:
+    """A body's checksum as `X-Checksum` carries it, and as the catalog records an entry's."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def pack(parts: list[bytes], **meta: Any) -> bytes:
