@@ -85,9 +85,11 @@ def test_prefill_pieces_trace_the_experts_grouped_and_decode_graphs_per_pick():
     the grouped product past that many picks an expert, as an eager step does past one; a decode
     graph, traced outside it, multiplies every pick on its own up to 16 (its rows then never
     depend on their batch). Both give eager's output."""
-    from engine.backends import picks_per_expert_while_tracing
+    from engine.backends import mark_graph_constants, picks_per_expert_while_tracing
     from engine.compiled_decode import renamed_copy
     from engine.compiled_prefill import PICKS_PER_EXPERT
+
+    mark_graph_constants()  # as compile_only does before the engine's graphs are made: the limit a constant
 
     torch.manual_seed(1)
     n_experts, hidden, inner, top_k, limit = 8, 64, 32, 2, 7.0
