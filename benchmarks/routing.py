@@ -243,7 +243,7 @@ class Driver:
         self.jobs: dict[str, Job] = {}
         self.lock = threading.Lock()
         self.prefill_topic = topic_name(Topic.PREFILL, replicas.prefix)
-        self.consumer = self.bus.consumer([topic_name(Topic.TOKENS, replicas.prefix)], f"bench-{uuid.uuid4().hex[:8]}")
+        self.consumer = self.bus.reader([topic_name(Topic.TOKENS, replicas.prefix)], from_beginning=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 

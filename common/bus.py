@@ -12,7 +12,10 @@ on both (tests/integration/test_bus.py):
 * a value above the claim store's threshold travels as a claim check (common/claims.py):
   records stay within Kafka's default limits, and consumers get the whole value back;
 * a record may name its partition instead (a router sending a job to one replica: the
-  replica that owns that partition), and `produce_batch` says where each record was stored.
+  replica that owns that partition), and `produce_batch` says where each record was stored;
+* a reader reads every partition of its topics for its process alone, in no group: nothing to
+  join, no heartbeats, nothing committed (a process's own view of the load reports, the
+  results of its own calls).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -72,6 +76,14 @@ class Consumer(Protocol):
         offsets what it held; what it still holds from before is stale (its first join is no change)."""
 
 
+class Reader(Protocol):
+    """What `Bus.reader` gives: records to poll, and nothing to commit."""
+
+    def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]: ...
+
+    def close(self) -> None: ...
+
+
 class Bus(Protocol):
     busy_poll_timeout: float  # how long a worker with jobs in flight waits for records between steps
     # How long an idle worker waits for records. Workers that share a thread wait in turn, so
@@ -102,6 +114,10 @@ class Bus(Protocol):
         """A group member; a group with no committed offsets starts at the oldest record, or with
         from_beginning=False at the next record produced. `wakeup`: what the MemoryBus's
         `shared_wakeup` gave, shared by consumers polled in turn on one thread (Kafka's ignore it)."""
+
+    def reader(self, topics: Iterable[str], from_beginning: bool = False) -> Reader:
+        """Every partition of the topics, for this process alone: from the next record produced
+        after this returns, or with from_beginning=True from the oldest one kept."""
 
     def close(self) -> None: ...
 
@@ -240,6 +256,9 @@ class MemoryBus:
         them ends the wait of whichever is polling, or keeps it from starting, so none waits out
         another's poll."""
         return Wakeup(self._lock)
+
+    def reader(self, topics: Iterable[str], from_beginning: bool = False) -> MemoryConsumer:
+        return self.consumer(topics, f"reader-{uuid.uuid4().hex}", from_beginning)  # a group of its own
 
     def close(self) -> None:
         with self._lock:
@@ -435,6 +454,9 @@ class KafkaBus:
             self.bootstrap, list(topics), group, self.client_id, from_beginning, self.claims, self.session_timeout_ms
         )
 
+    def reader(self, topics: Iterable[str], from_beginning: bool = False) -> KafkaReader:
+        return KafkaReader(self.bootstrap, list(topics), self.client_id, from_beginning, self.claims)
+
     def close(self) -> None:
         self._producer.close(timeout=10)
 
@@ -470,11 +492,7 @@ class KafkaConsumerAdapter:
         # Subscribe only once this client knows every topic's partitions: a member that joins
         # its group before that is assigned nothing, and nothing rebalances until metadata is
         # refreshed (services start while another one is still creating the topics).
-        deadline = time.monotonic() + 60
-        while any(not self._consumer.partitions_for_topic(t) for t in topics):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no partition metadata for {topics}")
-            time.sleep(0.1)
+        _wait_for_partitions(self._consumer, topics)
         self._consumer.subscribe(topics)
         self._pending: list[Record] = []
         self._from_beginning = from_beginning
@@ -500,12 +518,7 @@ class KafkaConsumerAdapter:
             # member it rejoined as for its first, and never see that it had been removed.
             self._member_id = self._consumer.group_metadata().member_id or ""
             self._joined = bool(self._member_id)
-        records = []
-        for messages in batches.values():
-            for m in messages:
-                headers = {k: v for k, v in (m.headers or [])}
-                records.append(Record(m.topic, m.partition, m.offset, m.key.decode(), m.value, headers))
-        return _checked_out(self.claims, records)
+        return _checked_out(self.claims, _records(batches))
 
     def commit(self, offsets: dict[tuple[str, int], int] | None = None) -> bool:
         from kafka.errors import KafkaError
@@ -561,3 +574,53 @@ class KafkaConsumerAdapter:
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)
+
+
+class KafkaReader:
+    """Every partition of its topics, assigned by hand. A consumer group of one member that reads
+    everything would cost a group join before the first record (up to the broker's
+    `group.initial.rebalance.delay.ms`, 3 s by default), a heartbeat a second, and a group left
+    on the broker by every process that ever ran; there is nothing to share and nothing to commit."""
+
+    def __init__(
+        self, bootstrap: str, topics: list[str], client_id: str, from_beginning: bool, claims: ClaimStore | None
+    ):
+        from kafka import KafkaConsumer, TopicPartition
+
+        self.claims = claims
+        self._consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap,
+            client_id=client_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest" if from_beginning else "latest",
+            reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
+        )
+        _wait_for_partitions(self._consumer, topics)
+        assigned = [TopicPartition(t, p) for t in topics for p in sorted(self._consumer.partitions_for_topic(t))]
+        self._consumer.assign(assigned)
+        for partition in assigned:  # where it starts is looked up now, not at the first poll
+            self._consumer.position(partition)
+
+    def poll(self, timeout: float = 1.0, max_records: int = 100) -> list[Record]:
+        batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
+        return _checked_out(self.claims, _records(batches))
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
+
+
+def _wait_for_partitions(consumer: Any, topics: list[str], seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while any(not consumer.partitions_for_topic(t) for t in topics):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no partition metadata for {topics}")
+        time.sleep(0.1)
+
+
+def _records(batches: dict) -> list[Record]:
+    """kafka-python's polled messages as Records."""
+    return [
+        Record(m.topic, m.partition, m.offset, m.key.decode(), m.value, {k: v for k, v in (m.headers or [])})
+        for messages in batches.values()
+        for m in messages
+    ]

@@ -159,16 +159,15 @@ class ReportListener(threading.Thread):
         super().__init__(name="replica-reports", daemon=True)
         self.bus, self.table, self.from_beginning = bus, table, from_beginning
         self.topic = topic_name(Topic.REPLICAS, topic_prefix)
-        self.group = f"{topic_prefix}replicas-{uuid.uuid4().hex[:12]}"  # of its own: it sees every report
         self.stopping = stop or threading.Event()
 
     def run(self) -> None:
-        consumer = None
+        reader = None
         while not self.stopping.is_set():
             try:
-                if consumer is None:
-                    consumer = self.bus.consumer([self.topic], self.group, self.from_beginning)
-                for record in consumer.poll(timeout=0.1):
+                if reader is None:  # every report, for this process alone
+                    reader = self.bus.reader([self.topic], self.from_beginning)
+                for record in reader.poll(timeout=0.1):
                     try:
                         self.table.update(LoadReport.model_validate_json(record.value))
                     except ValidationError as err:
@@ -177,8 +176,8 @@ class ReportListener(threading.Thread):
             except Exception:  # the broker is away: reports resume when it is back
                 log.exception("reading load reports failed; retrying")
                 self.stopping.wait(1.0)
-        if consumer is not None:
-            consumer.close()
+        if reader is not None:
+            reader.close()
 
     def stop(self) -> None:
         self.stopping.set()

@@ -13,7 +13,6 @@ surface (gateway/routers/), the error handlers and the start and stop of the thr
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -143,7 +142,7 @@ def create_app(
         batch_rounds=batch_rounds,
         batch_in_flight=batch_in_flight,
         admission=Admission(replicas, admission_wait_seconds) if replicas is not None else None,
-        router=ResultRouter(bus, results_topic, group=f"{topic_prefix}gateway-{uuid.uuid4().hex[:12]}"),
+        router=ResultRouter(bus, results_topic),
         recorder=JobRecorder(bus, results_topic, group=f"{topic_prefix}gateway-jobs", store=jobs, ledger=ledger),
         dispatcher=Dispatcher(bus, topic_prefix),
         quotas=quotas if quotas is not None else MemoryQuotas(),

@@ -48,7 +48,6 @@ class ResultRouter:
 
     bus: Bus
     topic: str
-    group: str  # one per gateway process
     _watches: dict[str, _Watch] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -78,20 +77,19 @@ class ResultRouter:
             self._watches.pop(job_id, None)
 
     def _run(self) -> None:
-        # only results produced from now on matter to this gateway
-        consumer = self.bus.consumer([self.topic], self.group, from_beginning=False)
+        # every partition, from the next result on: only this gateway's calls, made from now on,
+        # are waited for (a reader: nothing to commit, no group to join before the first call)
+        reader = self.bus.reader([self.topic])
         try:
-            consumer.wait_assigned(timeout=60)
             self.ready.set()
             while not self._stop.is_set():
                 try:
-                    self.route(consumer.poll(timeout=0.2))
-                    consumer.commit()
+                    self.route(reader.poll(timeout=0.2))
                 except Exception:  # the broker away: the waiters wait, the thread carries on
                     log.exception("reading results failed; retrying")
                     self._stop.wait(1.0)
         finally:
-            consumer.close()
+            reader.close()
 
     def route(self, records: list[Record]) -> None:
         """Hand a poll's new events to their waiters: each event loop gets them in one wake-up."""

@@ -148,6 +148,47 @@ def test_rewind_delivers_again_what_came_since_the_last_commit(bus):
     consumer.close()
 
 
+def test_a_reader_sees_every_partition_from_its_start_and_joins_no_group(bus):
+    """What a process reads for itself (the load reports, its own calls' results): every partition,
+    from the next record produced after the reader is made (or, from the beginning, what is kept),
+    beside a group that shares the topic; on Kafka without a consumer group of its own, which every
+    process that ever ran would otherwise leave on the broker. The groups are read with
+    kafka-python's admin client: those with a member of this test's client id are the group's only."""
+    clients = KafkaBus(bus.bootstrap, client_id=f"readers-{uuid.uuid4().hex[:8]}") if isinstance(bus, KafkaBus) else bus
+    topic = fresh(bus, partitions=3)
+    for i in range(6):
+        bus.produce(topic, f"before-{i}", b"before")
+    reader = clients.reader([topic])
+    everything = clients.reader([topic], from_beginning=True)
+    group_name = f"g-{uuid.uuid4().hex[:8]}"
+    group = clients.consumer([topic], group_name)
+    for i in range(6):
+        bus.produce(topic, f"after-{i}", b"after", partition=i % 3)
+    after = poll_until(reader, 6)
+    assert sorted(r.key for r in after) == [f"after-{i}" for i in range(6)]
+    assert {r.partition for r in after} == {0, 1, 2}
+    assert [r.value for r in poll_until(everything, 12)].count(b"before") == 6
+    assert len(poll_until(group, 12)) == 12  # the group's member reads as before
+    assert reader.poll(timeout=0.5) == []
+    if isinstance(clients, KafkaBus):
+        assert _groups_with_member(clients.client_id) == {group_name}
+        clients.close()
+    for consumer in (reader, everything, group):
+        consumer.close()
+
+
+def _groups_with_member(client_id: str) -> set[str]:
+    from kafka.admin import KafkaAdminClient
+
+    admin = KafkaAdminClient(bootstrap_servers=require_service("DEEPMESH_KAFKA_BOOTSTRAP"))
+    try:
+        names = [group["group_id"] for group in admin.list_groups()]
+        described = admin.describe_groups(names) if names else {}
+        return {name for name, group in described.items() if any(m["client_id"] == client_id for m in group["members"])}
+    finally:
+        admin.close()
+
+
 def test_owned_partitions_follow_the_group(bus):
     topic = fresh(bus, partitions=2)
     group = f"g-{uuid.uuid4().hex[:8]}"

@@ -147,7 +147,7 @@ def test_a_tokenizer_that_dies_and_is_replayed_loses_and_repeats_nothing(token_i
 
     # the gateway's router, as a waiting stream sees it
     async def routed() -> list[ResultPayload]:
-        router = ResultRouter(bus, topic_name(Topic.RESULTS, "crash."), "router")
+        router = ResultRouter(bus, topic_name(Topic.RESULTS, "crash."))
         queue = router.watch("job-1")
         records = _records(bus, "crash.")
         router.route(records[:1])

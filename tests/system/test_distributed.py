@@ -150,6 +150,21 @@ def test_one_job_is_one_trace_across_the_processes(cluster):
     assert "  decode" in printed  # indented under its parent
 
 
+def test_the_consumer_groups_on_the_broker_are_the_stages_shared_ones(cluster):
+    """Each stage's replicas share a group, and the gateways one for the jobs they record. What a
+    process reads for itself (the load reports, its own calls' results) it reads in no group: every
+    process that ever ran would otherwise leave one on the broker (kafka-python's admin lists them)."""
+    from kafka.admin import KafkaAdminClient
+
+    shared = {f"{cluster.prefix}{name}" for name in ("tokenizer", "prefill", "decode", "gateway-jobs")}
+    admin = KafkaAdminClient(bootstrap_servers=cluster.env["DEEPMESH_KAFKA_BOOTSTRAP"])
+    try:
+        groups = {g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(cluster.prefix)}
+    finally:
+        admin.close()
+    assert groups == shared
+
+
 def test_killing_the_decode_process_mid_generation_loses_and_repeats_nothing(cluster, model):
     """SIGKILL decode mid-answer, an answer under a JSON schema: the new decode recomputes the
     state and the grammar's from the tokens so far, and the stream goes on as one process's.
