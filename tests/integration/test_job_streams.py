@@ -8,6 +8,8 @@ import asyncio
 import itertools
 import json
 import random
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -267,3 +269,63 @@ def _stripped(events: list[tuple[str | None, str]]) -> list[tuple[str | None, st
             chunk.pop("created", None)
         out.append((name, json.dumps(chunk, sort_keys=True)))
     return out
+
+
+class _CountingBus(MemoryBus):
+    """The in-process bus, counting every commit its consumers make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commits = 0
+
+    def consumer(self, *args, **kwargs):
+        consumer = super().consumer(*args, **kwargs)
+        commit = consumer.commit
+
+        def counted(offsets=None):
+            self.commits += 1
+            return commit(offsets)
+
+        consumer.commit = counted
+        return consumer
+
+
+def test_idle_consumers_commit_nothing(tmp_path):
+    """A commit is a round trip to the broker: the gateway's job recorder, which committed after
+    every 0.2 s poll, cost an idle gateway 1% of a core. Once what they took is committed, an idle
+    recorder and an idle worker commit nothing more."""
+    codec = Codec(TOKENIZER, [MODEL], context_limit=8192, stop_ids={1})
+    bus, prefix = _CountingBus(), "idle."
+    bus.create_topics(all_topic_names(prefix), 1)
+    store = JobStore(fresh_database(tmp_path))
+    recorder = JobRecorder(bus, topic_name(Topic.RESULTS, prefix), f"{prefix}gateway-jobs", store)
+    tokenizer = TokenizerWorker(bus, prefix, codec)
+    stop = threading.Event()
+    worker = threading.Thread(target=lambda: tokenizer.run(stop))
+    recorder.start()
+    worker.start()
+    try:
+        done = ResultPayload(events=[], done=True, body={"ok": 1})
+        bus.produce(
+            topic_name(Topic.RESULTS, prefix),
+            "job-3",
+            Envelope(type="result", job_id="job-3", payload=done.model_dump()).encode(),
+        )
+        _produce(bus, prefix, [Envelope(type="cancel", job_id="job-4")])
+        results, tokens = topic_name(Topic.RESULTS, prefix), topic_name(Topic.TOKENS, prefix)
+        deadline = time.monotonic() + 10
+        while (
+            bus._committed.get((f"{prefix}gateway-jobs", results, 0)) != 1
+            or bus._committed.get((f"{prefix}tokenizer", tokens, 0)) != 1
+        ):
+            assert time.monotonic() < deadline, f"never committed: {bus._committed}"
+            time.sleep(0.05)
+        time.sleep(0.3)  # both past the polls that took them
+        before = bus.commits
+        time.sleep(1.5)  # seven polls of the recorder's, more of the worker's
+        assert bus.commits == before
+    finally:
+        stop.set()
+        recorder.stop()
+        worker.join(timeout=10)
+        store.close()
