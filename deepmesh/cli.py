@@ -445,16 +445,20 @@ STOP_GRACE_SECONDS = 5.0
 
 
 def _exit_if_stopping_takes(seconds: float, name: str) -> None:
-    """From now on, exit after `seconds`, whatever the process is still waiting for."""
+    """From now on, exit after `seconds`, whatever the process is still waiting for, and say what
+    that was: every thread's stack (a broker, a database or a cache service that does not answer
+    shows in the frames that wait for it)."""
+    import faulthandler
     import threading
 
     def exit_now() -> None:
         print(
-            f"deepmesh {name}: still stopping after {seconds:g} s (the broker or the database away?): exiting "
-            "now; what it had not committed is done again by the next owner of its work",
+            f"deepmesh {name}: still stopping after {seconds:g} s: exiting now; what it had not committed "
+            "is done again by the next owner of its work. Where its threads were:",
             file=sys.stderr,
             flush=True,
         )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(1)
 
     timer = threading.Timer(seconds, exit_now)

@@ -78,3 +78,9 @@ def test_services_stopped_while_the_broker_is_frozen_exit_within_their_grace(mod
     finally:
         cluster.stop()
     assert max(took) < 2 + STOP_GRACE_SECONDS + 3, f"exited after {took} s (see {tmp_path})"
+    # one that had to be cut short says where it waited: every thread's stack, in its log
+    cut_short = [log.read_text() for log in tmp_path.glob("*.log") if "still stopping after" in log.read_text()]
+    assert cut_short, f"every service stopped before its grace ran out (see {tmp_path})"
+    for text in cut_short:
+        stacks = text.split("still stopping after", 1)[1]
+        assert stacks.count("(most recent call first)") >= 2 and 'File "' in stacks, stacks[:2000]
