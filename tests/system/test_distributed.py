@@ -158,8 +158,13 @@ def test_the_consumer_groups_on_the_broker_are_the_stages_shared_ones(cluster):
 
     shared = {f"{cluster.prefix}{name}" for name in ("tokenizer", "prefill", "decode", "gateway-jobs")}
     admin = KafkaAdminClient(bootstrap_servers=cluster.env["DEEPMESH_KAFKA_BOOTSTRAP"])
+    deadline = time.monotonic() + 120
     try:
-        groups = {g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(cluster.prefix)}
+        while True:  # the gateway is ready before prefill and decode have loaded their model and joined
+            groups = {g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(cluster.prefix)}
+            if groups >= shared or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     finally:
         admin.close()
     assert groups == shared
