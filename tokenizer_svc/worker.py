@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -73,6 +73,10 @@ class _Resolving:
 
 
 RESOLVE_THREADS = 4  # requests with images prepared at once
+# While requests wait for their images, how long the worker waits for one to be ready before it
+# polls again: a worker that is busy only waiting polls without waiting (the in-process bus) or
+# for 2 ms (Kafka), and would otherwise spin through an image's whole download
+RESOLVE_WAIT_SECONDS = 0.005
 
 
 class TokenizerWorker(Worker):
@@ -163,7 +167,9 @@ class TokenizerWorker(Worker):
         self.watermarks.seen(record)
 
     def idle(self) -> None:
-        """Send on the requests whose images are resolved."""
+        """Send on the requests whose images are resolved, waiting a moment for one first."""
+        if self.resolving:
+            wait([r.prompt for r in self.resolving.values()], RESOLVE_WAIT_SECONDS, FIRST_COMPLETED)
         for job_id, resolving in [(j, r) for j, r in self.resolving.items() if r.prompt.done()]:
             del self.resolving[job_id]
             with within(resolving.span, job_id, end=True):

@@ -15,9 +15,11 @@ import base64
 import hashlib
 import http.server
 import io
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import deepseek_recipe as recipe
@@ -75,6 +77,12 @@ def mesh_options() -> dict:
 @pytest.fixture
 def url(service):
     return service.url
+
+
+def _cpu_seconds(thread: threading.Thread) -> float:
+    """The CPU time a thread of this process has used (Linux's per-thread counters)."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def png(width: int, height: int, seed: int = 0, kind: str = "PNG") -> bytes:
@@ -224,7 +232,9 @@ class TestImages(SDKClients):
 
     def test_an_image_url_that_never_answers_times_out_alone(self, oai, image_host):
         """A slow image host holds its own request to the fetch's time limit and no other: a request
-        sent meanwhile is answered first."""
+        sent meanwhile is answered first. Nor does the wait cost a core: the tokenizer's thread, busy
+        only waiting for the image, waits, where it polled without pause (5 CPU-seconds of its 5 s)."""
+        tokenizer = next(t for t in threading.enumerate() if t.name == "tokenizer")
         answered: list[float] = []
         messages = chat({"type": "text", "text": "meanwhile"}, image_part(data_url(png(64, 48, seed=12))))
         oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)  # warm: the rest is fixed
@@ -235,12 +245,15 @@ class TestImages(SDKClients):
             answered.append(time.monotonic())
 
         thread = threading.Thread(target=beside)
+        started, cpu = time.monotonic(), _cpu_seconds(tokenizer)
         thread.start()
         with pytest.raises(openai.BadRequestError, match="timed out"):
             oai.chat.completions.create(model=MODEL, messages=chat(image_part(f"{image_host}/never.png")), max_tokens=2)
         refused = time.monotonic()
+        waited, used = refused - started, _cpu_seconds(tokenizer) - cpu
         thread.join(timeout=60)
         assert answered and answered[0] < refused
+        assert used < 0.2 * waited, f"the tokenizer's thread used {used:.2f} CPU-seconds of {waited:.1f} s"
 
     def test_image_urls_are_fetched_for_both_sdks(self, oai, claude, image_host, model):
         """An http URL (the image host is an allowed network here): the same image and count as the
