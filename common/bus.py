@@ -189,7 +189,7 @@ class MemoryBus:
     """Kafka's delivery model inside one process, for the embedded mode and fast tests."""
 
     busy_poll_timeout = 0.0  # a poll sees every record already produced
-    idle_poll_timeout = 0.01  # a wait on a condition: waking up often costs nothing
+    idle_poll_timeout = 0.1  # a wait on a condition, which a record ends at once
 
     def __init__(self, claims: ClaimStore | None = None) -> None:
         self.claims = claims  # None: values of any size stay in the records (nothing limits them here)

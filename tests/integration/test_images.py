@@ -15,11 +15,9 @@ import base64
 import hashlib
 import http.server
 import io
-import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import deepseek_recipe as recipe
@@ -34,6 +32,7 @@ from common.messages import DeadLetter, Envelope
 from common.topics import Topic, topic_name
 from tests.support.batch_behaviour import jsonl, lines_of, openai_ended, wait_for_batch
 from tests.support.behaviour import GREEDY, MODEL, SDKClients, one_process_answer, wait_for_status
+from tests.support.infra import thread_cpu_seconds
 from tokenizer_svc.images import ImagePolicy
 
 
@@ -77,12 +76,6 @@ def mesh_options() -> dict:
 @pytest.fixture
 def url(service):
     return service.url
-
-
-def _cpu_seconds(thread: threading.Thread) -> float:
-    """The CPU time a thread of this process has used (Linux's per-thread counters)."""
-    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def png(width: int, height: int, seed: int = 0, kind: str = "PNG") -> bytes:
@@ -245,12 +238,12 @@ class TestImages(SDKClients):
             answered.append(time.monotonic())
 
         thread = threading.Thread(target=beside)
-        started, cpu = time.monotonic(), _cpu_seconds(tokenizer)
+        started, cpu = time.monotonic(), thread_cpu_seconds(tokenizer)
         thread.start()
         with pytest.raises(openai.BadRequestError, match="timed out"):
             oai.chat.completions.create(model=MODEL, messages=chat(image_part(f"{image_host}/never.png")), max_tokens=2)
         refused = time.monotonic()
-        waited, used = refused - started, _cpu_seconds(tokenizer) - cpu
+        waited, used = refused - started, thread_cpu_seconds(tokenizer) - cpu
         thread.join(timeout=60)
         assert answered and answered[0] < refused
         assert used < 0.2 * waited, f"the tokenizer's thread used {used:.2f} CPU-seconds of {waited:.1f} s"
