@@ -27,7 +27,7 @@ from tests.support.behaviour import (
     one_process_answers,
 )
 from tests.support.cluster import Cluster
-from tests.support.infra import wait_until_up
+from tests.support.infra import BrokerNames, wait_until_up
 
 
 @pytest.fixture(scope="module")
@@ -154,19 +154,14 @@ def test_the_consumer_groups_on_the_broker_are_the_stages_shared_ones(cluster):
     """Each stage's replicas share a group, and the gateways one for the jobs they record. What a
     process reads for itself (the load reports, its own calls' results) it reads in no group: every
     process that ever ran would otherwise leave one on the broker (kafka-python's admin lists them)."""
-    from kafka.admin import KafkaAdminClient
-
     shared = {f"{cluster.prefix}{name}" for name in ("tokenizer", "prefill", "decode", "gateway-jobs")}
-    admin = KafkaAdminClient(bootstrap_servers=cluster.env["DEEPMESH_KAFKA_BOOTSTRAP"])
+    bootstrap = cluster.env["DEEPMESH_KAFKA_BOOTSTRAP"]
     deadline = time.monotonic() + 120
-    try:
-        while True:  # the gateway is ready before prefill and decode have loaded their model and joined
-            groups = {g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(cluster.prefix)}
-            if groups >= shared or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    finally:
-        admin.close()
+    while True:  # the gateway is ready before prefill and decode have loaded their model and joined
+        groups = {g for g in BrokerNames(bootstrap).groups if g.startswith(cluster.prefix)}
+        if groups >= shared or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert groups == shared
 
 
