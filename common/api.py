@@ -48,6 +48,17 @@ def error_body(endpoint: str, message: str, kind: str = "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
+def unknown_model_body(endpoint: str, model: str) -> dict[str, Any]:
+    """A request for a model this server does not serve, answered with a 404 as OpenAI
+    (`model_not_found`) and Anthropic (`not_found_error`) answer it, on every endpoint alike."""
+    message = f"The model {model!r} does not exist: this server serves the models GET /v1/models lists"
+    if endpoint == "messages":
+        return error_body(endpoint, message, "not_found_error")
+    body = error_body(endpoint, message)
+    body["error"]["code"] = "model_not_found"
+    return body
+
+
 def server_error_kind(endpoint: str) -> str:
     return "api_error" if endpoint == "messages" else "server_error"
 

@@ -290,6 +290,7 @@ async def sse(
     arrived together goes out in one write. A client that leaves mid-stream cancels the job,
     unless it is `detached` (a background response). `keep`: stores the outcome first."""
     arrived = [result]
+    unfinished = 499  # how a stream that ends before its answer is counted: the client left
     try:
         while True:
             if arrived[-1].done and keep is not None:
@@ -298,11 +299,15 @@ async def sse(
             if arrived[-1].done:
                 settle_quota(state.quotas, request, arrived[-1])
                 return
-            arrived = [await asyncio.wait_for(queue.get(), timeout=state.result_timeout)]
+            try:
+                arrived = [await asyncio.wait_for(queue.get(), timeout=state.result_timeout)]
+            except TimeoutError:
+                unfinished = 504  # no result in time
+                raise
             while not arrived[-1].done and not queue.empty():
                 arrived.append(queue.get_nowait())
     finally:
         if not arrived[-1].done:  # the client left, or no result came in time
             abandon(state, call, keep is not None, detached)
         state.router.forget(call.job_id)
-        call.end(200)
+        call.end(200 if arrived[-1].done else unfinished)

@@ -10,6 +10,7 @@ with `echo` the prompt's own entries first.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from functools import cache
@@ -18,6 +19,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenizers import Tokenizer
 
+from common.api import unknown_model_body
 from tokenizer_svc.conversion import Event, Prompt, ProtocolError, compact_json, error_json
 
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; evaluation tasks stop at more (vLLM takes any number)
@@ -112,7 +114,7 @@ class Completions:
         if problem := request.unsupported():
             raise _bad(problem)
         if request.model not in self.served_models:
-            raise ProtocolError(404, error_json("completions", f"the model {request.model!r} does not exist"))
+            raise ProtocolError(404, json.dumps(unknown_model_body("completions", request.model)))
         if isinstance(request.prompt, list) and isinstance(request.prompt[0], (str, list)) and len(request.prompt) > 1:
             # POST /v1/completions runs each prompt of a list as a job of its own (common/api.py)
             raise _bad("one prompt per job: a list of prompts is taken by POST /v1/completions only")
@@ -253,7 +255,9 @@ class CompletionStream:
             piece = self.decoder.decode(self.unsettled)
             if not piece.endswith("\ufffd"):
                 self._add(piece)
-        return self._send(final=False)
+        # a stop sequence ends the completion here: its finish (and usage) go out now, as finish()
+        # sends nothing once the completion is complete
+        return self._send(final=self.complete)
 
     def finish(self, reason: str) -> list[Event]:
         """reason: the engine's ("stop" or "length")."""

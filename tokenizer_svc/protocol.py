@@ -22,7 +22,7 @@ from typing import Any
 import deepseek_recipe as recipe
 from tokenizers import Tokenizer
 
-from common.api import protocol_problem
+from common.api import protocol_problem, unknown_model_body
 from common.responses import RESPONSE_EVENTS
 from tokenizer_svc import request_fields
 from tokenizer_svc.completions import Completions, CompletionStream
@@ -136,6 +136,8 @@ class Codec:
             raise ProtocolError(400, error_json(endpoint, "the request body must be a JSON object"))
         if problem := protocol_problem(endpoint, body):
             raise ProtocolError(400, error_json(endpoint, problem))
+        if isinstance(model := body.get("model"), str) and self.served_models and model not in self.served_models:
+            raise ProtocolError(404, json.dumps(unknown_model_body(endpoint, model)))
         if self.images is None and image_parts(body):
             problem = f"model {body.get('model')!r} does not read images (it has no vision encoder)"
             raise ProtocolError(400, error_json(endpoint, problem))

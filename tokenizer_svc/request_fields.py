@@ -179,6 +179,8 @@ def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str
         forces_a_call = isinstance(choice, dict) and choice.get("type") == "any" and bool(body.get("tools"))
         return rest, Extras(**{**extras.__dict__, "traced": traced, "forces_a_call": forces_a_call})
     recipe_body = {k: v for k, v in body.items() if k not in (*ENGINE_EXTRAS, *NEUTRAL, "chat_template_kwargs")}
+    if isinstance(messages := body.get("messages"), list):
+        recipe_body["messages"] = _chat_roles(messages)
     if "max_completion_tokens" in body:
         cap = recipe_body.pop("max_completion_tokens")
         if body.get("max_tokens") is not None and cap is not None and body["max_tokens"] != cap:
@@ -199,6 +201,17 @@ def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str
     extras = _engine_extras(body, vocab_size)
     asked = {"include_usage": include_usage, "continuous_usage": continuous, "traced": traced}
     return recipe_body, Extras(**{**extras.__dict__, **asked})
+
+
+def _chat_roles(messages: list[Any]) -> list[Any]:
+    """Chat messages in the roles the recipe's chat conversion reads. OpenAI's `developer` role
+    (its newer name for instructions) reads as the recipe reads it in the Responses API: a user
+    message, so one conversation is one prompt (and one cached prefix) through either endpoint.
+    `function`, the role OpenAI replaced by `tool`, is refused by name."""
+    roles = [m.get("role") for m in messages if isinstance(m, dict)]
+    if "function" in roles:
+        raise FieldError("messages: the role 'function' is not supported (OpenAI replaced it): send role 'tool'")
+    return [{**m, "role": "user"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
 
 
 def _responses_include(body: dict[str, Any]) -> dict[str, Any]:

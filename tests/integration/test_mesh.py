@@ -256,7 +256,7 @@ def test_bad_requests_become_failed_results(mesh):
         mesh, "chat.completions", {"model": "unknown-model", "messages": [{"role": "user", "content": "x"}]}
     )
     (result,) = collect(mesh, {job_id})[job_id]
-    assert result.done and result.status == 400
+    assert result.done and result.status == 404
     assert "unknown-model" in result.body["error"]["message"]
 
 

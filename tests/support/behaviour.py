@@ -13,6 +13,7 @@ every service in its own OS process over Apache Kafka and PostgreSQL). Both modu
 from __future__ import annotations
 
 import enum
+import functools
 import http.client
 import io
 import json
@@ -314,6 +315,13 @@ class RawConnection:
         self.http.close()
 
 
+def clients_that_left(service) -> float:
+    """The gateway's count of chat calls whose client left before the answer (status 499)."""
+    scraped = httpx.get(f"{service.url}/metrics", timeout=10).text
+    sample = 'deepmesh_requests_total{endpoint="chat.completions",status="499"} '
+    return next((float(line.removeprefix(sample)) for line in scraped.splitlines() if line.startswith(sample)), 0.0)
+
+
 def call_with(url: str, body: dict, timed_out: list, timeout: float = 3) -> None:
     """POST, as a client that gives up after `timeout` seconds (noted in `timed_out`)."""
     try:
@@ -586,7 +594,7 @@ class GatewayBehaviour(SDKClients):
         counted = claude.messages.count_tokens(model=MODEL, **request)
         usage = claude.messages.create(model=MODEL, max_tokens=2, **request).usage
         assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0) > 20
-        with pytest.raises(anthropic.BadRequestError):
+        with pytest.raises(anthropic.NotFoundError):
             claude.messages.count_tokens(model="no-such-model", messages=QUESTION)
 
     def test_logprobs_are_the_models_own_stream_and_not(self, service, oai):
@@ -649,8 +657,14 @@ class GatewayBehaviour(SDKClients):
         stop = text[len(text) // 2 : len(text) // 2 + 3]
         stopped = oai.completions.create(**{**body, "max_tokens": 2000}, stop=[stop, "never appears"])
         assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.index(stop)]
-        streamed = list(oai.completions.create(**{**body, "max_tokens": 2000}, stop=stop, stream=True))
-        assert "".join(c.choices[0].text for c in streamed) == text[: text.index(stop)]
+        usage = {"include_usage": True}
+        streamed = list(
+            oai.completions.create(**{**body, "max_tokens": 2000}, stop=stop, stream=True, stream_options=usage)
+        )
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == text[: text.index(stop)]
+        # the stream ends as the answer does: its finish reason, then its usage
+        assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "stop"
+        assert streamed[-1].usage.completion_tokens == stopped.usage.completion_tokens and not streamed[-1].choices
 
         sampled = {**body, "temperature": 1.0, "seed": 1234}
         assert oai.completions.create(**sampled).choices[0].text == oai.completions.create(**sampled).choices[0].text
@@ -711,7 +725,6 @@ class GatewayBehaviour(SDKClients):
             ({"prompt": [1, 10**9]}, 400, "vocabulary"),
             ({"prompt": ""}, 400, "empty"),
             ({"max_tokens": 0}, 400, "echo"),
-            ({"model": "unknown-model"}, 404, "unknown-model"),
         ]:
             body = {"model": MODEL, "prompt": "Hello", **options}
             with pytest.raises(openai.APIStatusError) as caught:
@@ -905,7 +918,11 @@ class GatewayBehaviour(SDKClients):
                 oai.chat.completions.create(model=MODEL, messages=first, max_tokens=2, extra_headers=headers)
 
     def test_models_health_and_metrics(self, service, oai):
-        assert [m.id for m in oai.models.list()] == [MODEL]
+        [listed] = oai.models.list()
+        assert listed.id == MODEL and listed.created > 0
+        assert oai.models.retrieve(MODEL) == listed  # each model as the list has it
+        with pytest.raises(openai.NotFoundError):
+            oai.models.retrieve("unknown-model")
         assert httpx.get(f"{service.url}/healthz").json() == {"status": "ok"}
         assert httpx.get(f"{service.url}/readyz").status_code == 200
         oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
@@ -913,9 +930,24 @@ class GatewayBehaviour(SDKClients):
         assert 'deepmesh_requests_total{endpoint="chat.completions",status="200"}' in scraped
         assert "deepmesh_time_to_first_token_seconds_bucket" in scraped
 
+    def test_an_unknown_model_is_a_404_on_every_endpoint(self, oai, claude):
+        """As OpenAI (`model_not_found`) and Anthropic (`not_found_error`) answer it. Completions
+        answered 404 and the recipe's endpoints 400, so a client's handling depended on the endpoint."""
+        calls = [
+            lambda: oai.chat.completions.create(model="unknown-model", messages=QUESTION),
+            lambda: oai.completions.create(model="unknown-model", prompt="Hi"),
+            lambda: oai.responses.create(model="unknown-model", input="Hi"),
+        ]
+        for call in calls:
+            with pytest.raises(openai.NotFoundError) as caught:
+                call()
+            assert caught.value.code == "model_not_found" and "unknown-model" in caught.value.message
+        for call in (functools.partial(claude.messages.create, max_tokens=5), claude.messages.count_tokens):
+            with pytest.raises(anthropic.NotFoundError) as caught:
+                call(model="unknown-model", messages=QUESTION)
+            assert caught.value.body["error"]["type"] == "not_found_error"
+
     def test_errors_use_each_protocols_body(self, service, oai, claude):
-        with pytest.raises(openai.BadRequestError, match="unknown-model"):
-            oai.chat.completions.create(model="unknown-model", messages=QUESTION)
         with pytest.raises(openai.BadRequestError):
             oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10**7)
         with pytest.raises(openai.BadRequestError):
@@ -1091,6 +1123,7 @@ class GatewayBehaviour(SDKClients):
         the job within a second or two of the client leaving, instead of decoding to max_tokens."""
         body = {"model": MODEL, "messages": QUESTION, "max_tokens": 3000, **GREEDY["extra_body"], "stream": True}
         eventually(lambda: service.decode_running() == 0, 60, "decode still busy with an earlier test's jobs")
+        left_before = clients_that_left(service)
         with httpx.stream("POST", f"{service.url}/v1/chat/completions", json=body, timeout=60) as response:
             chunks = 0
             for line in response.iter_lines():
@@ -1101,6 +1134,8 @@ class GatewayBehaviour(SDKClients):
                     assert (running := service.decode_running()) == 1, f"decode runs {running} jobs"
                     break
         eventually(lambda: service.decode_running() == 0, 2, "decode went on with a stream nobody reads")
+        # counted as a client that left (it was counted as answered, 200)
+        eventually(lambda: clients_that_left(service) == left_before + 1, 5, "the dropped stream is not counted 499")
 
         # a plain call; a Completions request with a list of prompts, a job each: all of them stop
         prompts = {"model": MODEL, "prompt": ["One", "Two", "Three"], "max_tokens": 3000}

