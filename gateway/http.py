@@ -46,7 +46,9 @@ def endpoint_of(request: Request) -> str:
 async def read_object(endpoint: str, request: Request) -> dict | Response:
     """The JSON object in the request, or the protocol's error response (common/api.py)."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip()
-    if not JSON_MEDIA_TYPE.fullmatch(media_type):
+    # none at all reads as JSON, as FastAPI reads a body (and so vLLM and SGLang): a script's
+    # `requests.post(url, data=json.dumps(body))` sends none
+    if media_type and not JSON_MEDIA_TYPE.fullmatch(media_type):
         return protocol_error(endpoint, 415, f"Content-Type must be application/json, not {media_type!r}")
     try:
         return parse_object(await read_body(request))
