@@ -155,7 +155,7 @@ class Codec:
             model = request.model
             converted = request.convert(self.options)
         except recipe.ConversionError as err:
-            raise ProtocolError(err.status_code, err.body) from err
+            raise recipe_error(endpoint, err) from err
         except Exception as err:  # a number the recipe cannot hold (OverflowError), ...
             raise ProtocolError(400, error_json(endpoint, f"unreadable request: {err}")) from err
         if extras.forces_a_call and converted.conversation.thinking_mode:  # as the recipe says of `required`
@@ -184,7 +184,7 @@ class Codec:
             constraint = options.output_constraint
             logprobs = (options.top_logprobs or 0) if options.logprobs else None
         except recipe.ConversionError as err:
-            raise ProtocolError(err.status_code, err.body) from err
+            raise recipe_error(endpoint, err) from err
         except ImageRequestError as err:
             raise ProtocolError(400, error_json(endpoint, str(err))) from err
         except Exception as err:
@@ -459,6 +459,25 @@ def _one_call(body: dict[str, Any]) -> bool:
     choice = body.get("tool_choice")
     anthropic_single = isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True
     return body.get("parallel_tool_calls") is False or anthropic_single
+
+
+def recipe_error(endpoint: str, err: Any) -> ProtocolError:
+    """The recipe's refusal in the endpoint's own shape: it writes OpenAI's error body for every
+    endpoint, and names Responses' `max_output_tokens` `max_tokens`. What a job's result (and
+    the `results` topic, and GET /v1/jobs) carries is then what the protocol's clients parse."""
+    try:
+        error = json.loads(err.body)["error"]
+        message = str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return ProtocolError(err.status_code, err.body)
+    if endpoint == "messages":
+        return ProtocolError(err.status_code, error_json(endpoint, message))
+    if endpoint == "responses" and "max_tokens" in message:
+        return ProtocolError(
+            err.status_code,
+            json.dumps({"error": {**error, "message": message.replace("max_tokens", "max_output_tokens")}}),
+        )
+    return ProtocolError(err.status_code, err.body)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

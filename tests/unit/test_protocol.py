@@ -72,6 +72,30 @@ def test_bad_requests_get_the_protocols_error(codec, endpoint, body, message):
     assert message in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "body", "field"),
+    [
+        ("chat.completions", {"model": MODEL, "messages": USER, "max_tokens": 0}, "max_tokens"),
+        ("messages", {"model": MODEL, "messages": USER, "max_tokens": 0}, "max_tokens"),
+        ("responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+def test_the_recipes_refusals_come_in_the_protocols_shape_naming_its_field(codec, endpoint, body, field):
+    """What the tokenizer answers is a job's result (the `results` topic, GET /v1/jobs), read by
+    the protocol's clients: the recipe wrote OpenAI's error body for Messages too, and named
+    Responses' max_output_tokens max_tokens."""
+    with pytest.raises(ProtocolError) as caught:
+        codec.prompt(endpoint, body)
+    answer = json.loads(caught.value.body)
+    assert caught.value.status_code == 400 and f"{field} " in answer["error"]["message"]
+    if endpoint == "messages":
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    else:
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+    if endpoint == "responses":
+        assert "max_tokens" not in answer["error"]["message"]
+
+
 @pytest.mark.parametrize("endpoint", [*sorted(BODIES), "completions"])
 def test_an_unknown_model_is_a_404_in_the_protocols_body(codec, endpoint):
     body = {**(BODIES.get(endpoint) or COMPLETION), "model": "gpt-4o"}
