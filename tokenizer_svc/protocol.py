@@ -285,7 +285,6 @@ class Codec:
         # with ignore_eos the model's stop tokens are generated like any other (and shown as nothing)
         stop_ids = {*self.stop_ids, *extras.stop_token_ids}
         stream = OutputStream(processor, response_type, response_id, model, stop_ids, self.decoder)
-        stream.passed_stops = set(self.stop_ids) - set(extras.stop_token_ids) if extras.ignore_eos else set()
         stream.include_usage = extras.include_usage
         stream.continuous_usage = extras.continuous_usage
         stream.endpoint = endpoint
@@ -328,7 +327,6 @@ class OutputStream:
         self.think_end: int | None = None  # the token that ends reasoning
         self.reasoning_tokens = 0
         self.stated: dict[str, Any] = {}  # Responses' state options, as the request gave them (common/responses.py)
-        self.passed_stops: set[int] = set()  # stop tokens generated on past (ignore_eos): counted, shown as nothing
         self.include_usage = False  # Chat Completions' usage on a chunk of its own (else on the finish chunk)
         self.continuous_usage = False  # usage on every Chat Completions chunk
         self.prompt_tokens = 0
@@ -360,10 +358,12 @@ class OutputStream:
         for i, token in enumerate(token_ids):
             if self.complete:
                 break
-            self.generated += token not in self.stop_ids or token in self.passed_stops  # as the usage counts
-            if token in self.passed_stops:
+            self.generated += 1
+            if token in self.stop_ids:
+                # generated, so counted (as Completions counts it, and vLLM), but no text: a stop
+                # token passed under ignore_eos, or the one that ends the answer
                 events += self._events(self.processor.push(recipe.InferenceChunk.text("", 1)))
-            elif token not in self.stop_ids:
+            else:
                 if self.reasoning:  # counted as generated: the end of reasoning is reasoning's last token
                     self.reasoning_tokens += 1
                     self.reasoning = token != self.think_end

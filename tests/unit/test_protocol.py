@@ -200,6 +200,36 @@ def test_every_generated_token_counts_even_inside_a_character(codec, text_tokens
     assert count(out.body()) == len(tokens)
 
 
+USAGE_OUTPUT = {
+    "chat.completions": lambda b: b["usage"]["completion_tokens"],
+    "completions": lambda b: b["usage"]["completion_tokens"],
+    "responses": lambda b: b["usage"]["output_tokens"],
+    "messages": lambda b: b["usage"]["output_tokens"],
+}
+
+
+@pytest.mark.parametrize("endpoint", sorted(USAGE_OUTPUT))
+@pytest.mark.parametrize("end", ["end of sequence", "a stop token of the request's", "end of sequence passed"])
+def test_every_endpoint_counts_the_tokens_generated_stop_tokens_included(codec, text_tokens, endpoint, end):
+    """The same tokens generated are the same usage on every endpoint: a stop token, shown as
+    nothing, was generated and counts (as vLLM counts it). Completions counted it, and the
+    others did not, unless it was passed under ignore_eos."""
+    stop = text_tokens(" today")[0]
+    body = {**(BODIES.get(endpoint) or COMPLETION), "stop_token_ids": [stop], "ignore_eos": end.endswith("passed")}
+    if endpoint != "completions":
+        body |= {"reasoning": {"effort": "none"}} if endpoint == "responses" else {"thinking": {"type": "disabled"}}
+    tokens = text_tokens(" It is sunny")
+    tokens += {"end of sequence": [EOS], "a stop token of the request's": [stop]}.get(end, [EOS, *text_tokens(" and")])
+    out = codec.output(endpoint, body, "id-u")
+    out.start(prompt_tokens=10)
+    for token in tokens:
+        out.tokens([token])
+    out.finish("length" if end.endswith("passed") else "stop")
+    assert USAGE_OUTPUT[endpoint](out.body()) == len(tokens)
+    shown = json.dumps(out.body())
+    assert "sunny" in shown and (" and" in shown) == end.endswith("passed")
+
+
 def _reasoning_counts(body: dict) -> list[int]:
     """Every reasoning-token count in a response or stream event, wherever the protocol puts it."""
     found = []
