@@ -88,7 +88,9 @@ class Codec:
         self.assistant = self.decoder.token_to_id(recipe.SpecialToken.Assistant.default_str())
         self.images = images
         self.image_placeholder = self.decoder.token_to_id(recipe.SpecialToken.Image.default_str())
+        self.developer_role = "system"  # read off the recipe below (the renders on the way send no developer message)
         self.history_opener = self._history_opener()
+        self.developer_role = self._developer_role()
 
     @classmethod
     def for_model(
@@ -142,7 +144,7 @@ class Codec:
             problem = f"model {body.get('model')!r} does not read images (it has no vision encoder)"
             raise ProtocolError(400, error_json(endpoint, problem))
         try:
-            body, extras = request_fields.read(endpoint, body, self.decoder.get_vocab_size())
+            body, extras = request_fields.read(endpoint, body, self.decoder.get_vocab_size(), self.developer_role)
         except request_fields.FieldError as err:
             raise ProtocolError(400, error_json(endpoint, str(err))) from err
         request_type = ENDPOINTS[endpoint][0]
@@ -240,6 +242,23 @@ class Codec:
         after = token_ids[tags[-1] + 1 :]
         shared = common_prefix(after, self.history_opener)
         return [tags[-1] + 1 + shared] if shared < len(after) else []
+
+    def _developer_role(self) -> str:
+        """The chat role that reads OpenAI's `developer` messages as the recipe's Responses
+        conversion reads them for this model (V4: a user message; V4.1: a system message): the
+        role whose chat render equals that render, read off the recipe, not assumed."""
+        if not self.served_models:
+            return "system"
+        name = self.served_models[0]
+
+        def render(endpoint: str, key: str, role: str) -> list[int]:
+            body = {"model": name, key: [{"role": role, "content": "a"}, {"role": "user", "content": "b"}]}
+            return list(self.encoding.encode(self.convert(endpoint, body)[0].conversation))
+
+        wanted = render("responses", "input", "developer")
+        return next(
+            (role for role in ("system", "user") if render("chat.completions", "messages", role) == wanted), "system"
+        )
 
     def _history_opener(self) -> list[int]:
         """The tokens the encoding writes after an assistant tag before a past answer's text, in

@@ -161,8 +161,12 @@ class Extras:
     forces_a_call: bool = False
 
 
-def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str, Any], Extras]:
-    """The body as the recipe reads it, and the extras; FieldError naming what cannot be taken."""
+def read(
+    endpoint: str, body: dict[str, Any], vocab_size: int, developer_role: str = "system"
+) -> tuple[dict[str, Any], Extras]:
+    """The body as the recipe reads it, and the extras; FieldError naming what cannot be taken.
+    `developer_role`: the role Chat Completions' `developer` messages are read as (the codec reads
+    it off the recipe's Responses conversion)."""
     fields, neutral_values = FIELDS[endpoint]
     if unknown := sorted(set(body) - set(fields)):
         raise FieldError(f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
@@ -180,7 +184,7 @@ def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str
         return rest, Extras(**{**extras.__dict__, "traced": traced, "forces_a_call": forces_a_call})
     recipe_body = {k: v for k, v in body.items() if k not in (*ENGINE_EXTRAS, *NEUTRAL, "chat_template_kwargs")}
     if isinstance(messages := body.get("messages"), list):
-        recipe_body["messages"] = _chat_roles(messages)
+        recipe_body["messages"] = _chat_roles(messages, developer_role)
     if "max_completion_tokens" in body:
         cap = recipe_body.pop("max_completion_tokens")
         if body.get("max_tokens") is not None and cap is not None and body["max_tokens"] != cap:
@@ -203,15 +207,17 @@ def read(endpoint: str, body: dict[str, Any], vocab_size: int) -> tuple[dict[str
     return recipe_body, Extras(**{**extras.__dict__, **asked})
 
 
-def _chat_roles(messages: list[Any]) -> list[Any]:
+def _chat_roles(messages: list[Any], developer_role: str) -> list[Any]:
     """Chat messages in the roles the recipe's chat conversion reads. OpenAI's `developer` role
-    (its newer name for instructions) reads as the recipe reads it in the Responses API: a user
-    message, so one conversation is one prompt (and one cached prefix) through either endpoint.
-    `function`, the role OpenAI replaced by `tool`, is refused by name."""
+    (its newer name for instructions) reads as the recipe reads it in the Responses API, so one
+    conversation is one prompt (and one cached prefix) through either endpoint. `function`, the
+    role OpenAI replaced by `tool`, is refused by name."""
     roles = [m.get("role") for m in messages if isinstance(m, dict)]
     if "function" in roles:
         raise FieldError("messages: the role 'function' is not supported (OpenAI replaced it): send role 'tool'")
-    return [{**m, "role": "user"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
+    return [
+        {**m, "role": developer_role} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages
+    ]
 
 
 def _responses_include(body: dict[str, Any]) -> dict[str, Any]:

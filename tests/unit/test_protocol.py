@@ -544,10 +544,19 @@ def test_every_role_of_openais_chat_schema_is_read_or_refused_by_name(codec, rol
     assert caught.value.status_code == 400 and "'function'" in json.loads(caught.value.body)["error"]["message"]
 
 
-def test_a_developer_message_is_the_same_prompt_through_chat_and_responses(codec):
-    """The recipe's Responses conversion reads `developer` as a user message; Chat Completions
-    reads it the same way, so a conversation is one prompt, and one cached prefix, through both."""
+@pytest.mark.parametrize(("model_type", "read_as"), [("deepseek_v4", "user"), ("deepseek_v41", "system")])
+def test_a_developer_message_is_the_same_prompt_through_chat_and_responses(model_type, read_as, tmp_path):
+    """The recipe's Responses conversion reads `developer` as a user message for V4 and as a system
+    message for V4.1; Chat Completions reads it the same way (read off the recipe), so a
+    conversation is one prompt, and one cached prefix, through both."""
+    tokenizer = v41_tokenizer(tmp_path) if model_type == "deepseek_v41" else TOKENIZER
+    codec = Codec(tokenizer, [MODEL], context_limit=8192, stop_ids={EOS}, model_type=model_type)
     messages = [{"role": "developer", "content": "Be brief."}, *USER]
     chat = codec.prompt("chat.completions", {**BODIES["chat.completions"], "messages": messages})
     responses = codec.prompt("responses", {**BODIES["responses"], "input": messages})
     assert chat.token_ids == responses.token_ids
+    as_read = [{"role": read_as, "content": "Be brief."}, *USER]
+    assert (
+        chat.token_ids
+        == codec.prompt("chat.completions", {**BODIES["chat.completions"], "messages": as_read}).token_ids
+    )
