@@ -301,7 +301,8 @@ class Codec:
         parsing.starts_in_tool_calls |= extras.forces_a_call  # the prompt opened the calls (_calling_a_tool)
         generator = request_type.chunk_generator(conversation_request, response_id, model)
         processor = recipe.StreamProcessor(generator, parsing, self.tokenizer)
-        # with ignore_eos the model's stop tokens are generated like any other (and shown as nothing)
+        # every stop token, the model's and the request's, counts and shows as nothing (OutputStream.tokens);
+        # with ignore_eos the model's are generated like any other
         stop_ids = {*self.stop_ids, *extras.stop_token_ids}
         stream = OutputStream(processor, response_type, response_id, model, stop_ids, self.decoder)
         stream.include_usage = extras.include_usage
