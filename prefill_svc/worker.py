@@ -4,7 +4,8 @@ A prompt starts from the longest stored prefix of it (unless loading that would 
 than computing it). Its state is stored at the anchors a later prompt may start from: the end
 of the prompt (which is also the hand-over to decode, pinned by a lease), every
 `anchor_interval` tokens inside it, and the block boundary where it leaves the blocks other
-prompts stored (where conversations with a shared start, such as a system prompt, diverge).
+prompts stored (where conversations with a shared start, such as a system prompt, diverge); for
+V4.1, also where the prompt's always-computed last tokens begin.
 
 Every cache call (lookup, load, store) runs on a fetch thread, so the engine keeps stepping
 the other jobs meanwhile: a job joins the engine once its prefix has arrived, and goes on to
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 
 from common import metrics
 from common.api import error_body
-from common.blocks import BLOCK_SIZE
 from common.bus import Bus, Record
 from common.cache_entries import PrefixMatch, Stored
 from common.messages import (
@@ -480,9 +480,9 @@ def anchor_positions(prompt_len: int, shared_tokens: int, interval: int, reusabl
     blocks it shares with prompts stored before it (the engine skips those inside the prefix
     it starts from). For a model that always computes a prompt's last tokens itself (V4.1's
     bounded replay: only the first `reusable` tokens of a prompt may come from stored state),
-    also the last block boundary a repeat of this prompt may start from."""
+    also that point: where a repeat of this prompt, or its next turn, starts from."""
     positions = set(range(interval, prompt_len, interval)) if interval > 0 else set()
     positions.add(shared_tokens)
     if reusable is not None and reusable < prompt_len:
-        positions.add(reusable // BLOCK_SIZE * BLOCK_SIZE)
+        positions.add(reusable)
     return sorted(p for p in positions if 0 < p < prompt_len)

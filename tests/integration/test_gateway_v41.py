@@ -43,11 +43,11 @@ MODEL_INDEPENDENT = [
 
 
 class TestEmbeddedV41(GatewayBehaviour):
-    def test_a_repeated_long_prompt_starts_from_its_last_block_before_the_kept_tokens(self, service, oai):
+    def test_a_repeated_long_prompt_starts_where_its_kept_tokens_begin(self, service, oai):
         """V4.1 computes a prompt's last KEEP tokens (140) whatever is stored: a repeated 600-token
-        prompt reports as cached the last block boundary at or below 600 - KEEP, which its first run
-        stored, and answers as its first run did; the first token is the independent oracle's
-        (DeepInfer's and SGLang's code, with the same truncation)."""
+        prompt reports its first 600 - KEEP tokens as cached, where its first run stored its state,
+        and answers as its first run did; the first token is the independent oracle's (DeepInfer's
+        and SGLang's code, with the same truncation)."""
         keep = service.mesh.prefill.engine.config.prefill_keep_tokens
         assert keep == 140  # DeepInfer's default, what a served V4.1 model runs with
         prompt = [(7 * i + 11) % 100_000 + 3 for i in range(600)]
@@ -55,7 +55,7 @@ class TestEmbeddedV41(GatewayBehaviour):
         first = oai.completions.create(**body)
         again = oai.completions.create(**body)
         assert not (first.usage.prompt_tokens_details and first.usage.prompt_tokens_details.cached_tokens)
-        assert again.usage.prompt_tokens_details.cached_tokens == (600 - keep) // BLOCK_SIZE * BLOCK_SIZE == 384
+        assert again.usage.prompt_tokens_details.cached_tokens == 600 - keep == 460
         assert again.choices[0].text == first.choices[0].text
         assert again.choices[0].logprobs.token_logprobs == pytest.approx(
             first.choices[0].logprobs.token_logprobs, abs=1e-4
@@ -64,10 +64,11 @@ class TestEmbeddedV41(GatewayBehaviour):
         best = int(reference_logits(service.model, prompt, keep_tokens=keep)[-1].argmax())
         assert first.choices[0].logprobs.tokens[0] == tokenizer.decode([best], skip_special_tokens=False)
 
-    def test_a_long_conversations_next_turn_starts_from_the_first_turns_stored_blocks(self, service, oai, claude):
+    def test_a_long_conversations_next_turn_starts_where_the_first_turns_kept_tokens_begin(self, service, oai, claude):
         """A first turn of about 600 tokens and its follow-up, over the OpenAI and Anthropic SDKs: the
-        follow-up reports the first turn's last stored block before its own kept tokens as cached and
-        answers as a cold one-process run of the whole conversation."""
+        follow-up reports as cached all of the first turn that turn could reuse itself (all but its
+        last KEEP tokens, whose state it stored) and answers as a cold one-process run of the whole
+        conversation."""
         keep = service.mesh.prefill.engine.config.prefill_keep_tokens
         long = " ".join(f"item {i} of the inventory;" for i in range(100))
         first = [{"role": "user", "content": f"{long} ({service.url}) Which item is last?"}]
@@ -84,7 +85,7 @@ class TestEmbeddedV41(GatewayBehaviour):
         assert (
             prompt_1 > keep + BLOCK_SIZE and prompt_2 - keep < prompt_1
         )  # reuse is bounded below the first turn's end
-        assert turn_2.usage.cache_read_input_tokens == (prompt_1 - keep) // BLOCK_SIZE * BLOCK_SIZE > 0
+        assert turn_2.usage.cache_read_input_tokens == prompt_1 - keep > 0
         cold = {"model": MODEL, "messages": second, "max_tokens": 6, "temperature": 0, "thinking": {"type": "disabled"}}
         expected = one_process_answer(service.model, cold, "messages")
         assert [block.model_dump(exclude_none=True) for block in turn_2.content] == expected["content"]

@@ -243,23 +243,27 @@ def test_truncation_is_what_the_consumer_layers_see(tiny_v41: Path):
 
 
 def test_a_prompt_resumed_from_a_stored_prefix_is_exact(v41_model):
-    """Bounded replay: the state stored at a 128-token anchor by one request, loaded for another
-    prompt with the same prefix, then the rest computed, gives the logits and the greedy
-    continuation of the whole prompt in one pass. A prefix that would leave fewer than KEEP
-    tokens to compute is refused."""
-    shared = prompt(384, 5)
-    first, second = shared + prompt(200, 6), shared + prompt(260, 7)
+    """Bounded replay: the state stored at an anchor by one request, loaded for another prompt
+    with the same prefix, then the rest computed, gives the logits and the greedy continuation of
+    the whole prompt in one pass. At block boundaries, and where the prefill service stores every
+    prompt's state: its first kept row (`reusable_prefix`), here an odd position, inside a ratio-2
+    compressor's window. A prefix that would leave fewer than KEEP tokens to compute is refused."""
+    keep = v41_model.config.prefill_keep_tokens
+    shared = prompt(451, 5)
+    first, second = shared + prompt(keep, 6), shared + prompt(200, 7)
     producer = LLMEngine(v41_model, max_num_batched_tokens=1024)
-    producer.add_request("first", first, SamplingParams(max_tokens=1, temperature=0), snapshot_at=[256, 384])
+    assert producer.reusable_prefix(len(first)) == len(shared)
+    anchors = [256, 384, len(shared)]
+    producer.add_request("first", first, SamplingParams(max_tokens=1, temperature=0), snapshot_at=anchors)
     snapshots = {}
     while producer.has_unfinished_requests():
         for out in producer.step():
             if out.prefix_state is not None:
                 snapshots[out.prefix_state.num_computed] = out.prefix_state
-    assert set(snapshots) == {256, 384}
+    assert set(snapshots) == set(anchors)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
     expected = LLMEngine(v41_model).generate([second], params)[0]
-    for cached in (256, 384):
+    for cached in anchors:
         resumed = LLMEngine(v41_model, max_num_batched_tokens=1024)
         assert resumed.import_prefix("second", snapshots[cached], second, params)
         tokens, logprobs = [], []
@@ -269,9 +273,8 @@ def test_a_prompt_resumed_from_a_stored_prefix_is_exact(v41_model):
                 logprobs += out.new_logprobs
         assert tokens == expected.token_ids, cached
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected.logprobs), atol=1e-4, rtol=0)
-    keep = v41_model.config.prefill_keep_tokens
     with pytest.raises(SnapshotError, match=f"replays at least the prompt's last {keep} tokens"):
-        LLMEngine(v41_model).import_prefix("short", snapshots[384], shared + prompt(100, 8), params)
+        LLMEngine(v41_model).import_prefix("short", snapshots[len(shared)], shared + prompt(100, 8), params)
 
 
 def test_the_published_format_loads_and_generates(tmp_path: Path):
