@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from common import metrics
 from common.api import error_body
+from common.blocks import BLOCK_SIZE
 from common.bus import Bus, Record
 from common.cache_entries import PrefixMatch, Stored
 from common.messages import (
@@ -480,9 +481,10 @@ def anchor_positions(prompt_len: int, shared_tokens: int, interval: int, reusabl
     blocks it shares with prompts stored before it (the engine skips those inside the prefix
     it starts from). For a model that always computes a prompt's last tokens itself (V4.1's
     bounded replay: only the first `reusable` tokens of a prompt may come from stored state),
-    also that point: where a repeat of this prompt, or its next turn, starts from."""
+    also that point, where a repeat of this prompt or its next turn starts from, once it is a
+    block in: each anchor splits the prompt's computation, a step more for a shorter saving."""
     positions = set(range(interval, prompt_len, interval)) if interval > 0 else set()
     positions.add(shared_tokens)
-    if reusable is not None and reusable < prompt_len:
+    if reusable is not None and BLOCK_SIZE <= reusable < prompt_len:
         positions.add(reusable)
     return sorted(p for p in positions if 0 < p < prompt_len)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.blocks import BLOCK_SIZE
 from engine import LLMEngine, SamplingParams, SnapshotError, UnsupportedCheckpointError
 from engine.checkpoint.make_model import make_model
 from engine.config_v41 import V41Config
@@ -25,6 +26,7 @@ from engine.model.engram import compressed_vocabulary, hash_multipliers, table_p
 from engine.model.step_input import SeqSlice
 from engine.model.v41 import Compressor, candidate_mask
 from engine.state_cache import CompressorState
+from prefill_svc.worker import anchor_positions
 from tests.support.deepinfer_reference import StubbedKernelError, engram_metadata, requires_reference, tilelang_op
 
 
@@ -275,6 +277,30 @@ def test_a_prompt_resumed_from_a_stored_prefix_is_exact(v41_model):
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected.logprobs), atol=1e-4, rtol=0)
     with pytest.raises(SnapshotError, match=f"replays at least the prompt's last {keep} tokens"):
         LLMEngine(v41_model).import_prefix("short", snapshots[len(shared)], shared + prompt(100, 8), params)
+
+
+def test_a_prompt_stores_its_state_where_a_repeat_resumes_once_that_saves_a_block(v41_model):
+    """Where the prefill service stores a V4.1 prompt's state, and the engine steps that costs: at
+    its first kept row (all a repeat or a next turn may start from), where that is a block in or
+    more; a shorter prompt stores none there and computes in one step, as it did before anchors
+    moved off block boundaries (each anchor splits a prompt's computation)."""
+    engine = LLMEngine(v41_model, max_num_batched_tokens=1024)
+    keep = v41_model.config.prefill_keep_tokens
+
+    def anchors(length: int) -> list[int]:
+        return anchor_positions(length, 0, 1024, engine.reusable_prefix(length))
+
+    assert anchors(keep + BLOCK_SIZE - 1) == [] and anchors(keep + BLOCK_SIZE) == [BLOCK_SIZE]
+    assert anchors(600) == [600 - keep] and anchors(2300) == [1024, 2048, 2300 - keep]
+    for length, steps in ((keep + 100, 1), (600, 2)):
+        engine.add_request(
+            "p", prompt(length, 3), SamplingParams(max_tokens=1, temperature=0), snapshot_at=anchors(length)
+        )
+        taken = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            taken += 1
+        assert taken == steps, length
 
 
 def test_the_published_format_loads_and_generates(tmp_path: Path):
