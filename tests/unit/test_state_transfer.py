@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load, save
 
 from engine import (
     InvalidRequestError,
@@ -14,6 +18,7 @@ from engine import (
     UnknownRequestError,
 )
 from engine.checkpoint.loader import load_model
+from engine.state_transfer import safetensors_bytes
 from tests.support.models import decode_to_end, prefill_and_export, random_prompts
 
 LENGTHS = (1, 17, 128, 129, 300, 520)
@@ -127,3 +132,62 @@ def test_a_state_split_for_the_cache_and_joined_again_continues_exactly(tiny_mod
         StateSnapshot.joined(head, [rows[0], rows[1][:-2]])
     with pytest.raises(SnapshotError, match="unreadable"):
         StateSnapshot.joined(b"garbage", rows)
+
+
+def as_written(data: bytes) -> tuple[dict, bytes]:
+    """A safetensors file's header, parsed, and its data: the library writes the metadata's keys
+    in no fixed order (two calls of its `save` on the same input differ there), all else in one."""
+    header_len = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + header_len]), data[8 + header_len :]
+
+
+def rewritten_by_safetensors(data: bytes, path) -> tuple[dict, bytes]:
+    """What safetensors' own `save` writes for the tensors and metadata it reads from `data`."""
+    path.write_bytes(data)
+    with safe_open(path, "pt") as opened:
+        metadata = opened.metadata()
+    return as_written(save(load(data), metadata=metadata))
+
+
+def test_a_snapshot_and_its_cache_head_are_the_bytes_safetensors_writes(tiny_model, tmp_path):
+    """A snapshot is written through safetensors' `serialize` (engine.state_transfer.safetensors_bytes),
+    not through its `save`, which takes ten times as long: the bytes must be `save`'s all the same,
+    and hold the snapshot's own tensors. At 128 and 256 tokens the cache's head holds no block row."""
+    engine = LLMEngine(tiny_model)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for length, prompt in zip([*LENGTHS, 256], random_prompts([*LENGTHS, 256], seed=31), strict=True):
+        _, data = prefill_and_export(engine, f"r{length}", prompt, params)
+        assert as_written(data) == rewritten_by_safetensors(data, tmp_path / "state.safetensors"), length
+        snapshot = StateSnapshot.from_bytes(data)
+        read = load(data)
+        assert torch.equal(read["blocks"], snapshot.blocks) and torch.equal(read["last_hidden"], snapshot.last_hidden)
+        assert read.keys() - {"blocks", "last_hidden"} == {f"slot.{name}" for name in snapshot.slot}
+        _, head, rows = snapshot.split()
+        assert as_written(head) == rewritten_by_safetensors(head, tmp_path / "head.safetensors"), length
+        assert len(rows) == length // 128 and load(head)["blocks"].shape[0] == (1 if length % 128 else 0)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64, torch.int32, torch.bool]
+)
+def test_any_tensor_is_written_as_safetensors_save_writes_it(dtype):
+    """Every dtype a state may hold, with a tensor of no elements, a scalar and a non-contiguous view
+    beside a plain one: the same bytes as the library's `save` (given contiguous copies, which it
+    requires), and read back equal."""
+    generator = torch.Generator().manual_seed(3)
+    plain = (torch.randn(5, 7, generator=generator) * 4).to(dtype)
+    tensors = {
+        "plain": plain,
+        "transposed": plain.t(),
+        "sliced": plain[1:4, ::2],
+        "empty": plain[5:],
+        "scalar": plain[0, 0],
+    }
+    metadata = {"layout": "v2-test", "token_ids": "[1, 2, 3]"}
+    data = safetensors_bytes(tensors, metadata)
+    copies = {name: tensor.contiguous().clone() for name, tensor in tensors.items()}  # as `save` requires
+    assert as_written(data) == as_written(save(copies, metadata=metadata))
+    read = load(data)
+    for name, tensor in tensors.items():
+        assert read[name].dtype == dtype and read[name].shape == tensor.shape
+        assert torch.equal(read[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
