@@ -68,9 +68,9 @@ class StateSnapshot:
             "num_computed": str(self.num_computed),
             "seed": str(self.seed),
         }
-        tensors = {"blocks": self.blocks.contiguous(), **{f"slot.{k}": v.contiguous() for k, v in self.slot.items()}}
+        tensors = {"blocks": self.blocks, **{f"slot.{k}": v for k, v in self.slot.items()}}
         if self.last_hidden is not None:
-            tensors["last_hidden"] = self.last_hidden.contiguous()
+            tensors["last_hidden"] = self.last_hidden
         return safetensors_bytes(tensors, meta)
 
     @classmethod
@@ -149,19 +149,19 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     0.8 of the 0.9 ms a 16-token snapshot's 21 tensors took, on a fetch thread that holds the
     interpreter lock while the first token goes out. tests/unit/test_state_transfer.py holds these
     bytes to `save`'s."""
+    # contiguous CPU tensors, which this dict keeps alive until `serialize` has copied them
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
     if sys.byteorder == "big":  # safetensors is little-endian: the library swaps each tensor's bytes
         return save(tensors, metadata=metadata)
-    specs, alive = {}, []
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().cpu().contiguous()
-        alive.append(tensor)  # each pointer's tensor lives until `serialize` has copied it
-        size = tensor.numel() * tensor.element_size()
-        specs[name] = TensorSpec(
+    specs = {
+        name: TensorSpec(
             dtype=str(tensor.dtype).split(".")[-1],
             shape=tensor.shape,
-            data_ptr=tensor.data_ptr() if size else _NO_BYTES.data_ptr(),
-            data_len=size,
+            data_ptr=tensor.data_ptr() if tensor.numel() else _NO_BYTES.data_ptr(),
+            data_len=tensor.numel() * tensor.element_size(),
         )
+        for name, tensor in tensors.items()
+    }
     return serialize(specs, metadata=metadata)
 
 
