@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Integer, String, func, select, update
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, func, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from gateway.jobs import FINAL, Base, Job
@@ -31,6 +31,7 @@ RUNNING = ("in_progress", "cancelling")  # batch statuses whose requests may sti
 
 class Batch(Base):
     __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_tenant", "tenant", "created_at"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     protocol: Mapped[str] = mapped_column(String(16))  # openai | anthropic
@@ -61,6 +62,7 @@ class Batch(Base):
 
 class BatchRequest(Base):
     __tablename__ = "batch_requests"
+    __table_args__ = (Index("ix_batch_requests_state", "batch_id", "state"),)
 
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
     index: Mapped[int] = mapped_column(Integer, primary_key=True)

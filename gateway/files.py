@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, String, select, tuple_
+from sqlalchemy import BigInteger, Float, Index, String, select, tuple_
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from gateway.jobs import Base
@@ -29,6 +29,7 @@ class FileTooLarge(ValueError):
 
 class File(Base):
     __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant", "tenant", "created_at"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger, String, func, select
+from sqlalchemy import BigInteger, Index, String, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from common.messages import Usage
@@ -20,6 +20,7 @@ from gateway.jobs import Base
 
 class UsageEvent(Base):
     __tablename__ = "usage_events"
+    __table_args__ = (Index("ix_usage_events_tenant_day", "tenant", "day"),)
 
     job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64))

@@ -3,6 +3,12 @@
 from alembic import context
 from sqlalchemy import create_engine
 
+# every table's model on Base, so that autogenerate (`alembic check`, a new revision) compares
+# the whole schema, not only the jobs' tables
+import gateway.batch_store
+import gateway.files
+import gateway.keys
+import gateway.ledger  # noqa: F401
 from gateway.jobs import Base
 
 config = context.config
