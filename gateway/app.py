@@ -13,6 +13,7 @@ surface (gateway/routers/), the error handlers and the start and stop of the thr
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -21,6 +22,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.api import server_error_kind
@@ -45,6 +48,8 @@ from gateway.routers import admin, anthropic, batches, openai, responses, usage
 from gateway.routers import jobs as job_endpoints  # `jobs` is create_app's job store
 from gateway.state import GatewayState
 from gateway.stored_responses import StoredResponses
+
+log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
@@ -89,8 +94,26 @@ async def refused(request: Request, err: Refused) -> JSONResponse:
     return err.response
 
 
+# what the job store's database raises while it cannot be reached (stopped, restarting, cut off,
+# its connections all taken): a 503 to retry, not a fault of ours
+DATABASE_AWAY = (OperationalError, InterfaceError, PoolTimeout)
+DATABASE_RETRY_SECONDS = 2
+
+
+async def database_away(request: Request, err: Exception) -> JSONResponse:
+    """A call that needs the database while it is away: 503 in the protocol's shape, with
+    Retry-After. Nothing was accepted (a job is accepted once its row is written). The connection
+    stays open: unlike `unexpected`, nothing is raised again after this answer."""
+    log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path, err.__class__.__name__)
+    endpoint = endpoint_of(request)
+    response = protocol_error(endpoint, 503, "the database is unavailable; retry", server_error_kind(endpoint))
+    response.headers["Retry-After"] = str(DATABASE_RETRY_SECONDS)
+    return response
+
+
 async def unexpected(request: Request, err: Exception) -> JSONResponse:
-    """A fault of ours still answers in the protocol's shape, and the connection stays usable."""
+    """A fault of ours still answers in the protocol's shape. Starlette raises it again after this
+    answer (so that the server logs it), and the server then closes the connection."""
     endpoint = endpoint_of(request)
     return protocol_error(endpoint, 500, "internal error", server_error_kind(endpoint))
 
@@ -165,6 +188,8 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, bad_parameters)
     app.add_exception_handler(Refused, refused)
+    for away in DATABASE_AWAY:
+        app.add_exception_handler(away, database_away)
     app.add_exception_handler(Exception, unexpected)
     for router in (batches.routes, responses.routes, openai.routes, anthropic.routes, job_endpoints.routes):
         app.include_router(router)
