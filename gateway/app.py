@@ -22,6 +22,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeout
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -94,20 +96,28 @@ async def refused(request: Request, err: Refused) -> JSONResponse:
     return err.response
 
 
-# what the job store's database raises while it cannot be reached (stopped, restarting, cut off,
-# its connections all taken): a 503 to retry, not a fault of ours
-DATABASE_AWAY = (OperationalError, InterfaceError, PoolTimeout)
-DATABASE_RETRY_SECONDS = 2
+# what a store the gateway needs raises while it cannot be reached: a 503 to retry, not a fault
+# of ours. The database (stopped, restarting, cut off, its connections all taken) and Redis, which
+# counts the API keys' rate limits.
+AWAY = {
+    OperationalError: "the database",
+    InterfaceError: "the database",
+    PoolTimeout: "the database",
+    RedisConnectionError: "the rate limiter (Redis)",
+    RedisTimeout: "the rate limiter (Redis)",
+}
+AWAY_RETRY_SECONDS = 2
 
 
-async def database_away(request: Request, err: Exception) -> JSONResponse:
-    """A call that needs the database while it is away: 503 in the protocol's shape, with
-    Retry-After. Nothing was accepted (a job is accepted once its row is written). The connection
-    stays open: unlike `unexpected`, nothing is raised again after this answer."""
-    log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path, err.__class__.__name__)
+async def store_away(request: Request, err: Exception) -> JSONResponse:
+    """A call that needs a store while it is away: 503 in the protocol's shape, with Retry-After.
+    Nothing was accepted (a job is accepted once its row is written). The connection stays open:
+    unlike `unexpected`, nothing is raised again after this answer."""
+    what = next(name for kind, name in AWAY.items() if isinstance(err, kind))
+    log.warning("%s %s: %s is unavailable: %s", request.method, request.url.path, what, err.__class__.__name__)
     endpoint = endpoint_of(request)
-    response = protocol_error(endpoint, 503, "the database is unavailable; retry", server_error_kind(endpoint))
-    response.headers["Retry-After"] = str(DATABASE_RETRY_SECONDS)
+    response = protocol_error(endpoint, 503, f"{what} is unavailable; retry", server_error_kind(endpoint))
+    response.headers["Retry-After"] = str(AWAY_RETRY_SECONDS)
     return response
 
 
@@ -188,8 +198,8 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, bad_parameters)
     app.add_exception_handler(Refused, refused)
-    for away in DATABASE_AWAY:
-        app.add_exception_handler(away, database_away)
+    for away in AWAY:
+        app.add_exception_handler(away, store_away)
     app.add_exception_handler(Exception, unexpected)
     for router in (batches.routes, responses.routes, openai.routes, anthropic.routes, job_endpoints.routes):
         app.include_router(router)

@@ -10,6 +10,7 @@ seconds until the window turns) and the headers each protocol's clients read.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import redis
+
+log = logging.getLogger(__name__)
 
 WINDOW = 60.0
 
@@ -125,4 +128,7 @@ class RedisQuotas:
         return Decision(bool(admitted), window, int(requests), int(counted), rpm, tpm)
 
     def settle(self, key: str, window: int, tokens: int) -> None:
-        self.redis.incrby(self._keys(key, window)[1], tokens)
+        try:
+            self.redis.incrby(self._keys(key, window)[1], tokens)
+        except redis.RedisError as err:  # the minute keeps its estimate; the answer is sent already
+            log.warning("correcting a rate-limit count failed: %s", err)

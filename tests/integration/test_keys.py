@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from urllib.parse import urlsplit
 
 import anthropic
 import httpx
@@ -27,6 +28,7 @@ from gateway.quotas import MemoryQuotas, RedisQuotas
 from tests.support.batch_behaviour import chat_line, jsonl, wait_for_batch
 from tests.support.behaviour import MODEL, QUESTION, ServerThread, scripted_gateway
 from tests.support.infra import fresh_database, require_service
+from tests.support.relay import TcpRelay
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +183,39 @@ def test_two_gateways_share_a_keys_limits_through_redis(tiny_preset, database, t
                         ask(clients(url_, key)[0])
         # in memory (one process) the same key would have its own count in each replica
         assert MemoryQuotas().admit("k", 4, None, 0).admitted
+    finally:
+        jobs.close()
+
+
+def test_while_redis_is_away_a_limited_keys_calls_get_503_and_count_again_once_it_is_back(
+    tiny_preset, database, tmp_path
+):
+    """Redis behind a relay the test cuts (tests/support/relay.py): a key with limits is answered
+    503 with Retry-After in each protocol's shape, on a connection that stays open, then counted
+    again once Redis is back. Before, the call was a 500 and the connection was closed."""
+    redis_url = urlsplit(require_service("DEEPMESH_REDIS_URL"))
+    key = new_key(database, "limited", "--rpm", "100")
+    jobs = JobStore(database)
+    try:
+        with TcpRelay(redis_url.hostname, redis_url.port) as relay:
+            through = redis_url._replace(netloc=f"127.0.0.1:{relay.port}").geturl()
+            quotas = RedisQuotas(through, f"test{uuid.uuid4().hex[:8]}.")
+            with scripted_gateway(tiny_preset, jobs, tmp_path / "claims", require_keys=True, quotas=quotas) as running:
+                running.stage.reply = "Partitions are ordered logs."
+                oai, claude = clients(running.url, key)
+                assert ask(oai).choices[0].message.content == running.stage.reply
+                relay.cut()
+                with pytest.raises(openai.InternalServerError) as refused:
+                    ask(oai)
+                assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"].isdigit()
+                with pytest.raises(anthropic.InternalServerError) as refused:
+                    claude.messages.create(model=MODEL, max_tokens=8, messages=QUESTION)
+                assert refused.value.status_code == 503 and refused.value.body["error"]["type"] == "api_error"
+                relay.restore()
+                answered = oai.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=QUESTION, max_tokens=8, extra_body=NO_THINKING
+                )
+                assert int(answered.headers["x-ratelimit-remaining-requests"]) < 100
     finally:
         jobs.close()
 
