@@ -10,15 +10,7 @@ import httpx
 import pytest
 from sqlalchemy import make_url
 
-from cache_svc.catalog import Catalog
-from cache_svc.store import StateStore
-from cache_svc.tiers import DirectoryTier, MemoryTier
-from common.bus import MemoryBus
-from common.claims import ClaimStore
-from deepmesh.mesh import Mesh
-from gateway.app import create_app
-from gateway.jobs import JobStore
-from tests.support.behaviour import MODEL, ServerThread, one_process_answer
+from tests.support.behaviour import MODEL, one_process_answer, served_embedded
 from tests.support.infra import fresh_database
 from tests.support.relay import TcpRelay
 
@@ -38,16 +30,8 @@ def served(tiny_preset, tmp_path):
         pytest.skip("no PostgreSQL: scripts/stack up")
     with TcpRelay(url.host, url.port) as relay:
         through = url.set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
-        jobs = JobStore(through)
-        state = StateStore(Catalog(through), [MemoryTier(1 << 30), DirectoryTier(tmp_path / "kv", None)])
-        bus = MemoryBus(ClaimStore(tmp_path / "claims"))
-        mesh = Mesh(tiny_preset, bus, state, served_model=MODEL).start()
-        try:
-            with ServerThread(create_app(bus, "deepmesh.", [MODEL], jobs, files_dir=str(tmp_path / "files"))) as server:
-                yield server.url, relay
-        finally:
-            mesh.stop()
-            jobs.close()
+        with served_embedded(tiny_preset, tmp_path, through) as served_url:
+            yield served_url, relay
 
 
 def test_calls_that_need_the_database_while_it_is_away_get_503_and_an_accepted_job_finishes(served, tiny_preset):

@@ -92,22 +92,25 @@ class ServerThread:
 
 
 @contextmanager
-def served_embedded(model: Path, root: Path) -> Iterator[str]:
+def served_embedded(model: Path, root: Path, database_url: str | None = None) -> Iterator[str]:
     """The embedded mesh (`deepmesh serve`'s one process) on `model`, its cache and job state under
-    `root`, behind the gateway on a free port: its URL (the benchmarks' served API)."""
+    `root` (or both in `database_url`'s database, as `serve` keeps them), behind the gateway on a
+    free port: its URL (the benchmarks' served API)."""
     from cache_svc.store import StateStore
     from common.settings import Settings
     from deepmesh.mesh import Mesh
     from gateway.jobs import JobStore
 
-    stores = {"database_url": f"sqlite:///{root}/cache.db", "cache_dir": str(root / "kv")}
+    stores = {"database_url": database_url or f"sqlite:///{root}/cache.db", "cache_dir": str(root / "kv")}
     mesh = Mesh(model, MemoryBus(), StateStore.from_settings(Settings().model_copy(update=stores)), served_model=MODEL)
     mesh.start()
+    jobs = JobStore(database_url or f"sqlite:///{root}/jobs.db")
     try:
-        with ServerThread(create_app(mesh.bus, "deepmesh.", [MODEL], JobStore(f"sqlite:///{root}/jobs.db"))) as server:
+        with ServerThread(create_app(mesh.bus, "deepmesh.", [MODEL], jobs, files_dir=str(root / "files"))) as server:
             yield server.url
     finally:
         mesh.stop()
+        jobs.close()
 
 
 def seconds_to_first_chunk(client: openai.OpenAI, content: str | list[dict]) -> float:

@@ -107,16 +107,23 @@ def stored_tensors(path, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def prefill_and_export(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams):
-    """Run a request until its first token, as a prefill worker does; returns (token, snapshot bytes)."""
+def prefill_and_snapshot(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams):
+    """Run a request until its first token, as a prefill worker does; returns (token, the state it
+    exported: the engine's own tensors)."""
     engine.add_request(request_id, prompt, params)
     while True:
         outputs = [o for o in engine.step() if o.request_id == request_id]
         if outputs:
             break
-    data = engine.export_state(request_id).to_bytes()
+    snapshot = engine.export_state(request_id)
     engine.abort(request_id)
-    return outputs[0].new_token_ids[0], data
+    return outputs[0].new_token_ids[0], snapshot
+
+
+def prefill_and_export(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams):
+    """`prefill_and_snapshot`, the state as the bytes a prefill worker stores: (token, bytes)."""
+    token, snapshot = prefill_and_snapshot(engine, request_id, prompt, params)
+    return token, snapshot.to_bytes()
 
 
 def all_state_free(engine: LLMEngine) -> bool:

@@ -19,7 +19,7 @@ from engine import (
 )
 from engine.checkpoint.loader import load_model
 from engine.state_transfer import safetensors_bytes
-from tests.support.models import decode_to_end, prefill_and_export, random_prompts
+from tests.support.models import decode_to_end, prefill_and_export, prefill_and_snapshot, random_prompts
 
 LENGTHS = (1, 17, 128, 129, 300, 520)
 
@@ -156,11 +156,7 @@ def test_a_snapshot_and_its_cache_head_are_the_bytes_safetensors_writes(tiny_mod
     engine = LLMEngine(tiny_model)
     params = SamplingParams(max_tokens=2, temperature=0)
     for length, prompt in zip([*LENGTHS, 256], random_prompts([*LENGTHS, 256], seed=31), strict=True):
-        engine.add_request("r", prompt, params)
-        while not engine.step():
-            pass
-        snapshot = engine.export_state("r")  # the engine's own tensors
-        engine.abort("r")
+        _, snapshot = prefill_and_snapshot(engine, f"r{length}", prompt, params)  # the engine's own tensors
         data = snapshot.to_bytes()
         assert as_written(data) == rewritten_by_safetensors(data, tmp_path / "state.safetensors"), length
         read = load(data)
